@@ -1,0 +1,66 @@
+"""`kvserve serve ...` / `python -m server serve ...`, and `kvserve prepare` to convert models ahead."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from server.settings import Settings
+
+OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or the default value
+    "--host": "host",
+    "--port": "port",
+    "--model": "model",
+    "--models-file": "models_file",
+    "--cache-dir": "cache_dir",
+    "--kv-budget-bytes": "kv_budget_bytes",
+    "--session-ttl-s": "session_ttl_s",
+    "--default-max-tokens": "default_max_tokens",
+    "--request-timeout-s": "request_timeout_s",
+    "--log-level": "log_level",
+}
+
+
+def parse(argv: list[str]) -> tuple[str, Settings]:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("serve", "run the HTTP server"), ("prepare", "convert/load every model once, then exit")):
+        cmd = sub.add_parser(name, help=help_text)
+        for flag, field in OPTIONS.items():
+            cmd.add_argument(flag, dest=field, default=None, help=Settings.model_fields[field].description)
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    return args.command, Settings(**overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    command, settings = parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if command == "prepare":
+        return _prepare(settings)
+    import uvicorn
+
+    from server.app import create_app
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
+def _prepare(settings: Settings) -> int:
+    from server.engine.registry import ModelLoadError, load_model
+    from server.hosting import resolve_specs
+
+    status = 0
+    for spec in resolve_specs(settings):
+        try:
+            loaded = load_model(spec, settings.cache_dir)
+            print(f"{spec.id}: ready ({loaded.device}, {loaded.dtype}, context {loaded.max_context})")
+        except ModelLoadError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

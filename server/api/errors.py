@@ -1,0 +1,54 @@
+"""Exception handlers: every failure leaves in the OpenAI envelope, FastAPI's validation errors included."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.errors import ApiError, error_response
+
+log = logging.getLogger("kvserve.api")
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """The first problem pydantic found, as a 400 naming the field (never the 422 default, never the input)."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(400, "invalid_json", "the request body is not valid JSON")
+    if kind == "extra_forbidden":
+        return ApiError(400, "unsupported_parameter", f"unknown parameter '{param}'", param)
+    if kind == "unsupported_parameter":
+        name = (err.get("ctx") or {}).get("name") or param
+        return ApiError(400, "unsupported_parameter", str(err.get("msg")), name)
+    if kind == "missing":
+        return ApiError(400, "invalid_parameter", f"missing required parameter '{param}'", param)
+    where = f"'{param}': " if param else ""
+    return ApiError(400, "invalid_parameter", f"{where}{err.get('msg')}", param)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal_error", "internal server error")

@@ -1,0 +1,88 @@
+"""One running request inside the engine: its cache, sampler, detokenizer and stop rules."""
+
+from __future__ import annotations
+
+import time
+
+from server.engine.detokenizer import Detokenizer
+from server.engine.generate import Forward
+from server.engine.handle import RequestHandle
+from server.engine.kv_cache import bytes_per_token, cache_nbytes, crop_cache, new_cache
+from server.engine.kv_store import Entry, KVStore
+from server.engine.registry import LoadedModel
+from server.engine.sampler import Sampler
+from server.engine.types import GenerationRequest, TextDelta, TokenLogprob, Usage
+
+
+class Sequence:
+    def __init__(self, request: GenerationRequest, entry: Entry | None, handle: RequestHandle, loaded: LoadedModel):
+        self.request = request
+        self.entry = entry
+        self.handle = handle
+        self.loaded = loaded
+        self.started = time.monotonic()
+        self.cache = None
+        self.fed_ids: list[int] = []  # tokens whose K/V the cache holds, in order
+        self.num_cached = 0  # prompt tokens reused from the session, not fed to the model
+        self.generated_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.is_prefilled = False
+        params = request.params
+        self.sampler = Sampler(params, request.prompt_ids, loaded.vocab_size, loaded.device)
+        self.detok = Detokenizer(loaded.tokenizer, params.stop)
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids |= loaded.eos_ids
+
+    def is_past_deadline(self) -> bool:
+        timeout = self.request.timeout_s
+        return timeout is not None and time.monotonic() - self.started > timeout
+
+    def prefill(self, store: KVStore, forward: Forward) -> TextDelta | None:
+        prompt = self.request.prompt_ids
+        cache, num_cached = store.take_cache(self.entry, prompt) if self.entry is not None else (None, 0)
+        if cache is not None and not crop_cache(cache, num_cached):
+            cache, num_cached = None, 0  # a cache that cannot be cut back is recomputed
+        if cache is None:
+            cache, num_cached = new_cache(self.loaded.model.config), 0
+        self.cache, self.num_cached = cache, num_cached
+        self.fed_ids = prompt[:num_cached]
+        num_new = len(prompt) - num_cached + self.request.params.max_tokens
+        growth = num_new * bytes_per_token(self.loaded.model.config, self.loaded.dtype)
+        store.make_room(cache_nbytes(cache) + growth)
+        logits = forward(prompt[num_cached:], cache, num_cached, is_prefill=True)
+        self.fed_ids = list(prompt)
+        self.is_prefilled = True
+        return self._accept(*self.sampler.sample(logits))
+
+    def decode(self, forward: Forward) -> TextDelta | None:
+        last = self.generated_ids[-1]
+        logits = forward([last], self.cache, len(self.fed_ids), is_prefill=False)
+        self.fed_ids.append(last)
+        return self._accept(*self.sampler.sample(logits))
+
+    def _accept(self, token_id: int, logprob: TokenLogprob | None) -> TextDelta | None:
+        self.generated_ids.append(token_id)
+        self.sampler.observe(token_id)
+        if token_id in self._stop_ids:
+            text, self.finish_reason = self.detok.flush(), "stop"
+        else:
+            text, is_stopped = self.detok.add(token_id)
+            if is_stopped:
+                self.finish_reason = "stop"
+            elif self._is_at_length_limit():
+                text, self.finish_reason = text + self.detok.flush(), "length"
+        logprobs = [logprob] if logprob is not None else None
+        if not text and logprobs is None:
+            return None
+        return TextDelta(text, [token_id], logprobs)
+
+    def _is_at_length_limit(self) -> bool:
+        total = len(self.request.prompt_ids) + len(self.generated_ids)
+        return len(self.generated_ids) >= self.request.params.max_tokens or total >= self.loaded.max_context
+
+    def transcript_ids(self) -> list[int]:
+        return self.request.prompt_ids + self.generated_ids
+
+    def usage(self) -> Usage:
+        return Usage(len(self.request.prompt_ids), len(self.generated_ids), self.num_cached)

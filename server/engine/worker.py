@@ -1,0 +1,133 @@
+"""The engine: one thread per model owns every forward pass; requests advance round-robin.
+
+Each loop iteration gives every running sequence one step (its prefill, or one decoded
+token), so streams interleave and a cancelled or timed-out request stops before its next
+forward pass. Batching many sequences into one forward is a later step (see docs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from server.engine.generate import Forward, ForwardCounter
+from server.engine.handle import RequestHandle
+from server.engine.kv_store import Entry, KVStore
+from server.engine.registry import LoadedModel
+from server.engine.sequence import Sequence
+from server.engine.types import EngineStopped, Failed, Finished, GenerationRequest, TextDelta
+
+log = logging.getLogger("kvserve.engine")
+IDLE_TICK_S = 1.0  # how often an idle engine wakes to expire sessions
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, store: KVStore) -> None:
+        self.loaded = loaded
+        self.model_id = loaded.spec.id
+        self.store = store
+        self.counter = ForwardCounter()
+        self._forward = Forward(loaded.model, self.counter)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: list[Sequence] = []
+        self._is_stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.model_id}", daemon=True)
+
+    # -- event loop side ----------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Admit a request. Raises SessionBusy / SessionModelMismatch at once, before any work."""
+        if self._is_stopping:
+            raise EngineStopped("the server is shutting down")
+        entry = self.store.acquire(request.session, self.model_id) if request.session else None
+        handle = RequestHandle(request.request_id, asyncio.get_running_loop())
+        self._inbox.put((request, entry, handle))
+        return handle
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._is_stopping = True
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    # -- engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._is_stopping:
+            self._admit(block=not self._active)
+            for seq in list(self._active):
+                self._step(seq)
+        for seq in list(self._active):
+            self._finish(seq, Failed("shutting_down", "the server is shutting down"), is_complete=False)
+        self._drain_inbox()
+
+    def _admit(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=IDLE_TICK_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            if block:
+                self.store.expire()
+            return
+        while item is not None:
+            request, entry, handle = item
+            self._active.append(Sequence(request, entry, handle, self.loaded))
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                request, entry, handle = item
+                if entry is not None:
+                    self.store.release(entry, None, [], None)
+                handle.push(Failed("shutting_down", "the server is shutting down"))
+
+    def _step(self, seq: Sequence) -> None:
+        try:
+            if seq.handle.is_cancelled:
+                self._finish(seq, Failed("cancelled", "the client went away"), is_complete=False)
+            elif seq.is_past_deadline():
+                message = f"request exceeded its time limit of {seq.request.timeout_s:g} s"
+                self._finish(seq, Failed("request_timeout", message), is_complete=False)
+            elif not seq.is_prefilled:
+                self._emit(seq, seq.prefill(self.store, self._forward))
+            else:
+                self._emit(seq, seq.decode(self._forward))
+        except torch.OutOfMemoryError:
+            log.warning("request %s: device out of memory", seq.request.request_id)
+            self._finish(seq, Failed("out_of_memory", "the device ran out of memory"), is_complete=False)
+        except Exception:
+            log.exception("request %s failed", seq.request.request_id)
+            self._finish(seq, Failed("internal_error", "generation failed inside the engine"), is_complete=False)
+
+    def _emit(self, seq: Sequence, delta: TextDelta | None) -> None:
+        if delta is not None:
+            seq.handle.push(delta)
+        if seq.finish_reason is not None:
+            self._finish(seq, Finished(seq.finish_reason, seq.usage()), is_complete=True)
+
+    def _finish(self, seq: Sequence, event: Finished | Failed, is_complete: bool) -> None:
+        self._active.remove(seq)
+        entry: Entry | None = seq.entry
+        if entry is not None:
+            transcript = seq.transcript_ids() if is_complete else None
+            self.store.release(entry, seq.cache, seq.fed_ids, transcript)
+        seq.cache = None
+        seq.handle.push(event)
+        log.debug("request %s done: %s in %.3f s", seq.request.request_id, event, time.monotonic() - seq.started)

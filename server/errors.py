@@ -1,0 +1,51 @@
+"""Errors in the OpenAI envelope: {"error": {"message", "type", "param", "code"}}, message bounded."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+MAX_MESSAGE_CHARS = 512
+
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+# Engine failure codes (server.engine.types.Failed.code) -> HTTP status.
+ENGINE_STATUS = {
+    "session_busy": 409,
+    "session_model_mismatch": 400,
+    "request_timeout": 504,
+    "out_of_memory": 503,
+    "shutting_down": 503,
+    "internal_error": 500,
+    "cancelled": 499,
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+    def body(self) -> dict:
+        return error_body(self.status, self.code, self.message, self.param)
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    kind = TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, code: str, message: str, param: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(status, code, message, param), status_code=status, headers=headers)

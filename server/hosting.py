@@ -1,0 +1,87 @@
+"""The served models: loaded in the background (so /ready can say 503 meanwhile), one engine each."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.engine.kv_store import KVStore
+from server.engine.registry import ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
+from server.engine.worker import Engine
+from server.settings import Settings, default_kv_budget
+
+log = logging.getLogger("kvserve")
+
+
+@dataclass(slots=True)
+class ModelState:
+    spec: ModelSpec
+    status: str = "pending"  # pending | loading | ready | failed
+    detail: str = ""
+
+
+class ModelHost:
+    def __init__(self, settings: Settings, specs: list[ModelSpec] | None = None) -> None:
+        self.settings = settings
+        specs = specs if specs is not None else resolve_specs(settings)
+        self.states = {s.id: ModelState(s) for s in specs}
+        self.engines: dict[str, Engine] = {}
+        budget = settings.kv_budget_bytes or default_kv_budget("cpu", None, _total_ram())
+        self.store = KVStore(budget_bytes=budget, ttl_s=settings.session_ttl_s)
+        self._thread = threading.Thread(target=self._load_all, name="model-loader", daemon=True)
+        self._is_closed = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_loaded(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+
+    @property
+    def is_ready(self) -> bool:
+        return all(s.status == "ready" for s in self.states.values())
+
+    def close(self) -> None:
+        self._is_closed = True
+        for engine in list(self.engines.values()):
+            engine.stop()
+
+    def _load_all(self) -> None:
+        for state in self.states.values():
+            if self._is_closed:
+                return
+            state.status = "loading"
+            log.info("loading model %s from %s", state.spec.id, state.spec.source)
+            try:
+                loaded = load_model(state.spec, self.settings.cache_dir)
+            except ModelLoadError as exc:
+                state.status, state.detail = "failed", str(exc)
+                log.error("%s", exc)
+                continue
+            if self.settings.kv_budget_bytes is None and loaded.device.type == "cuda":
+                self.store.budget_bytes = default_kv_budget("cuda", _free_cuda(loaded.device), _total_ram())
+            engine = Engine(loaded, self.store)
+            engine.start()
+            self.engines[state.spec.id] = engine
+            state.status = "ready"
+            log.info("model %s ready on %s (%s)", state.spec.id, loaded.device, loaded.dtype)
+
+
+def resolve_specs(settings: Settings) -> list[ModelSpec]:
+    if settings.model:
+        return [spec_from_cli(settings.model)]
+    return read_specs(Path(settings.models_file))
+
+
+def _total_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _free_cuda(device) -> int:
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(device)
+    return free

@@ -1,0 +1,95 @@
+"""From a validated request to prompt ids and sampling parameters, with the context-length rule."""
+
+from __future__ import annotations
+
+from server.engine.registry import LoadedModel
+from server.engine.types import SamplingParams
+from server.errors import ApiError
+from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
+    prompt = req.single_prompt()
+    if isinstance(prompt, str):
+        ids = loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        ids = list(prompt)
+        if any(not 0 <= t < loaded.vocab_size for t in ids):
+            raise ApiError(400, "invalid_parameter", f"token ids must be in [0, {loaded.vocab_size})", "prompt")
+    return _non_empty(ids, "prompt")
+
+
+def chat_ids(req: ChatCompletionRequest, loaded: LoadedModel) -> list[int]:
+    tokenizer = loaded.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "invalid_parameter", f"model {loaded.spec.id!r} has no chat template", "messages")
+    messages = [{"role": _role(m.role), "content": m.text()} for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's to fix
+        raise ApiError(400, "invalid_parameter", f"chat template rejected the messages: {exc}", "messages") from exc
+    # The template writes the special tokens itself; adding BOS again would change the prompt.
+    return _non_empty(tokenizer(text, add_special_tokens=False)["input_ids"], "messages")
+
+
+def _role(role: str) -> str:
+    return "system" if role == "developer" else role
+
+
+def _non_empty(ids: list[int], param: str) -> list[int]:
+    if not ids:
+        raise ApiError(400, "invalid_parameter", "the prompt has no tokens", param)
+    return ids
+
+
+def sampling_params(
+    req: SamplingFields,
+    loaded: LoadedModel,
+    num_prompt: int,
+    max_tokens: int | None,
+    default_max_tokens: int,
+    num_logprobs: int | None,
+) -> SamplingParams:
+    max_context = loaded.max_context
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, max_context - num_prompt)
+    if num_prompt + max_tokens > max_context or max_tokens < 1:
+        raise ApiError(
+            400,
+            "context_length_exceeded",
+            f"this model's context is {max_context} tokens; the prompt has {num_prompt} "
+            f"and max_tokens asks for {max(max_tokens, 0)} more",
+            "max_tokens" if num_prompt < max_context else "messages",
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=max(req.top_k, 0),
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req, loaded.vocab_size),
+        seed=req.seed,
+        num_logprobs=num_logprobs,
+        stop=req.stop_list(),
+        stop_token_ids=_token_ids(req.stop_token_ids or [], loaded.vocab_size, "stop_token_ids"),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float]:
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise ApiError(400, "invalid_parameter", "logit_bias keys must be token ids", "logit_bias")
+        bias[int(key)] = value
+    _token_ids(list(bias), vocab_size, "logit_bias")
+    return bias
+
+
+def _token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise ApiError(400, "invalid_parameter", f"token ids must be in [0, {vocab_size})", param)
+    return ids

@@ -1,0 +1,158 @@
+"""OpenAI wire shapes for requests. Unknown fields and known-but-unimplemented ones are 400s, never ignored."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
+MAX_STOP = 16
+MAX_LOGIT_BIAS = 1024
+
+StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=MAX_STOP)]
+SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN, description="1-128 characters of [A-Za-z0-9_-]")]
+
+# Fields OpenAI defines that kvserve does not implement yet, with the value that means "not used".
+UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+    "n": 1,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "parallel_tool_calls": None,
+    "response_format": None,
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+    "web_search_options": None,
+    "reasoning_effort": None,
+    "service_tier": None,
+    "store": None,
+    "metadata": None,
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Unsupported(BaseModel):
+    """Declares the unimplemented fields so clients get a 400 naming the field they set."""
+
+    n: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self):
+        for name, default in UNSUPPORTED_DEFAULTS.items():
+            value = getattr(self, name, None)
+            if value is not None and value != default and name in self.model_fields_set:
+                raise PydanticCustomError(
+                    "unsupported_parameter",
+                    "'{name}' is not supported by this server yet",
+                    {"name": name},
+                )
+        return self
+
+
+class SamplingFields(_Unsupported):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(..., min_length=1, max_length=256)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1: off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    seed: int | None = None
+    stop: str | StopList | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    session_id: SessionId | None = Field(None, description="an explicit session (created on first use)")
+    prompt_cache_key: str | None = Field(
+        None, max_length=256, description="a cache bucket shared by many requests; never locks"
+    )
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(..., description="text or token ids")
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        prompt = self.prompt
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
+            raise PydanticCustomError("unsupported_parameter", "batched prompts are not supported yet")
+        return self
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            return prompt[0]
+        return prompt
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, max_length=256)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("value_error", "top_logprobs requires logprobs=true")
+        return self
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

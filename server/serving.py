@@ -1,0 +1,150 @@
+"""Between the routes and the engine: admit a request, then answer as one JSON body or as SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from functools import lru_cache
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from server import formats
+from server.engine.handle import RequestHandle
+from server.engine.types import EngineError, Failed, Finished, GenerationRequest, SessionKey, TextDelta
+from server.engine.worker import Engine
+from server.errors import ENGINE_STATUS, ApiError, error_body
+from server.hosting import ModelHost
+from server.prompts import chat_ids, completion_ids, sampling_params
+from server.schemas import SESSION_ID_PATTERN, ChatCompletionRequest, CompletionRequest, SamplingFields
+
+SESSION_HEADER = "X-Session-ID"
+
+
+class Serving:
+    def __init__(self, host: ModelHost) -> None:
+        self.host = host
+        self.settings = host.settings
+
+    async def completion(self, req: CompletionRequest, http: Request, tenant: str):
+        engine = self._engine(req.model)
+        prompt_ids = completion_ids(req, engine.loaded)
+        num_logprobs = req.logprobs
+        return await self._run(req, http, tenant, engine, prompt_ids, req.max_tokens, num_logprobs, is_chat=False)
+
+    async def chat(self, req: ChatCompletionRequest, http: Request, tenant: str):
+        engine = self._engine(req.model)
+        prompt_ids = chat_ids(req, engine.loaded)
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return await self._run(req, http, tenant, engine, prompt_ids, req.output_limit(), num_logprobs, is_chat=True)
+
+    def _engine(self, model: str) -> Engine:
+        state = self.host.states.get(model)
+        if state is None:
+            raise ApiError(404, "model_not_found", f"model {model!r} does not exist", "model")
+        engine = self.host.engines.get(model)
+        if engine is None:
+            raise ApiError(503, "not_ready", f"model {model!r} is {state.status}: {state.detail}".rstrip(": "))
+        return engine
+
+    async def _run(self, req: SamplingFields, http, tenant, engine, prompt_ids, max_tokens, num_logprobs, is_chat):
+        loaded = engine.loaded
+        params = sampling_params(
+            req, loaded, len(prompt_ids), max_tokens, self.settings.default_max_tokens, num_logprobs
+        )
+        session = session_key(req, http, tenant)
+        request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+        gen = GenerationRequest(request_id, prompt_ids, params, session, self.settings.request_timeout_s)
+        try:
+            handle = engine.submit(gen)
+        except EngineError as exc:
+            raise ApiError(ENGINE_STATUS.get(exc.code, 500), exc.code, exc.message) from exc
+        meta = formats.Meta(request_id, int(time.time()), engine.model_id, is_chat)
+        headers = {SESSION_HEADER: session.name} if session and not session.is_bucket else {}
+        token_text = _token_texts(loaded.tokenizer)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = _sse(handle, meta, token_text, include_usage)
+            return EventSourceResponse(events, headers=headers, sep="\n", ping=15)
+        return await _collect(handle, http, meta, token_text, headers)
+
+
+def session_key(req: SamplingFields, http: Request, tenant: str) -> SessionKey | None:
+    header = http.headers.get(SESSION_HEADER)
+    if header is not None:
+        if not re.fullmatch(SESSION_ID_PATTERN, header):
+            raise ApiError(400, "invalid_parameter", "session ids are 1-128 characters of [A-Za-z0-9_-]", "session_id")
+        if req.session_id is not None and req.session_id != header:
+            raise ApiError(400, "invalid_parameter", "body session_id and X-Session-ID header differ", "session_id")
+    name = req.session_id or header
+    if name is not None:
+        return SessionKey(tenant, name)
+    if req.prompt_cache_key is not None:
+        return SessionKey(tenant, req.prompt_cache_key, is_bucket=True)
+    return None
+
+
+def _token_texts(tokenizer):
+    @lru_cache(maxsize=4096)
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return token_text
+
+
+async def _collect(handle: RequestHandle, http: Request, meta, token_text, headers) -> JSONResponse:
+    watcher = asyncio.create_task(_cancel_on_disconnect(http, handle))
+    parts, logprobs, offset = [], [], 0
+    try:
+        async for event in handle:
+            if isinstance(event, TextDelta):
+                parts.append(event.text)
+                logprobs.extend(event.logprobs or [])
+            elif isinstance(event, Finished):
+                lp = formats.choice_logprobs(meta, logprobs if logprobs else None, token_text, offset)
+                body = formats.full_response(meta, "".join(parts), event.finish_reason, event.usage, lp)
+                return JSONResponse(body, headers=headers)
+            elif isinstance(event, Failed):
+                status = ENGINE_STATUS.get(event.code, 500)
+                return JSONResponse(error_body(status, event.code, event.message), status, headers=headers)
+    finally:
+        watcher.cancel()
+        handle.cancel()
+    raise ApiError(500, "internal_error", "generation ended without a result")
+
+
+async def _cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
+    """The body is already read, so the next ASGI message is the client going away."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    handle.cancel()
+
+
+async def _sse(handle: RequestHandle, meta, token_text, include_usage: bool) -> AsyncIterator[ServerSentEvent]:
+    offset = 0
+    try:
+        if meta.is_chat:
+            yield _data(formats.delta_chunk(meta, "", role=True))
+        async for event in handle:
+            if isinstance(event, TextDelta):
+                lp = formats.choice_logprobs(meta, event.logprobs, token_text, offset)
+                offset += len(event.text)
+                yield _data(formats.delta_chunk(meta, event.text, logprobs=lp))
+            elif isinstance(event, Finished):
+                yield _data(formats.delta_chunk(meta, None if meta.is_chat else "", event.finish_reason))
+                if include_usage:
+                    yield _data(formats.usage_chunk(meta, event.usage))
+            elif isinstance(event, Failed):
+                yield _data(error_body(ENGINE_STATUS.get(event.code, 500), event.code, event.message))
+        yield ServerSentEvent(data="[DONE]")
+    finally:
+        handle.cancel()  # a client that went away stops its generation at the next step
+
+
+def _data(obj: dict) -> ServerSentEvent:
+    return ServerSentEvent(data=json.dumps(obj, separators=(",", ":"), ensure_ascii=False))

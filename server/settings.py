@@ -1,0 +1,34 @@
+"""All configuration in one object, from KVSERVE_* environment variables, a .env file or the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+GIB = 1 << 30
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSERVE_", env_file=".env", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    models_file: Path = Path("models/models.toml")
+    model: str | None = Field(None, description="serve this path or hub id instead of models_file")
+    cache_dir: Path = Field(Path("models/cache"), description="converted weights (GGUF -> safetensors)")
+    kv_budget_bytes: int | None = Field(
+        None, description="bytes of K/V kept for sessions; default: see default_kv_budget()"
+    )
+    session_ttl_s: float = Field(3600.0, gt=0, description="idle sessions are forgotten after this")
+    default_max_tokens: int = Field(512, gt=0, description="when a request gives no max_tokens")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is ended")
+    log_level: str = "info"
+
+
+def default_kv_budget(device_type: str, free_device_bytes: int | None, total_ram_bytes: int) -> int:
+    """CUDA: half of the memory free after the weights loaded. CPU: a quarter of RAM, at most 4 GiB."""
+    if device_type == "cuda" and free_device_bytes:
+        return free_device_bytes // 2
+    return min(total_ram_bytes // 4, 4 * GIB)
