@@ -116,7 +116,9 @@ class CompletionRequest(SamplingFields):
     def _one_prompt(self):
         prompt = self.prompt
         if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
-            raise PydanticCustomError("unsupported_parameter", "batched prompts are not supported yet")
+            raise PydanticCustomError(
+                "unsupported_parameter", "batched prompts are not supported yet", {"name": "prompt"}
+            )
         return self
 
     def single_prompt(self) -> str | list[int]:

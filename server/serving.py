@@ -141,10 +141,10 @@ async def _sse(handle: RequestHandle, meta, token_text, include_usage: bool) -> 
                     yield _data(formats.usage_chunk(meta, event.usage))
             elif isinstance(event, Failed):
                 yield _data(error_body(ENGINE_STATUS.get(event.code, 500), event.code, event.message))
-        yield ServerSentEvent(data="[DONE]")
+        yield ServerSentEvent(data="[DONE]", sep="\n")
     finally:
         handle.cancel()  # a client that went away stops its generation at the next step
 
 
 def _data(obj: dict) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(obj, separators=(",", ":"), ensure_ascii=False))
+    return ServerSentEvent(data=json.dumps(obj, separators=(",", ":"), ensure_ascii=False), sep="\n")

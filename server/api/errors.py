@@ -17,7 +17,7 @@ log = logging.getLogger("kvserve.api")
 def validation_error(exc: RequestValidationError) -> ApiError:
     """The first problem pydantic found, as a 400 naming the field (never the 422 default, never the input)."""
     err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     param = ".".join(loc) or None
     kind = err.get("type", "")
     if kind == "json_invalid":
@@ -31,6 +31,12 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, "invalid_parameter", f"missing required parameter '{param}'", param)
     where = f"'{param}': " if param else ""
     return ApiError(400, "invalid_parameter", f"{where}{err.get('msg')}", param)
+
+
+def _is_type_tag(part) -> bool:
+    """Union members add their type to an error's loc ("str", "list[str]", "TextPart"): not a field name."""
+    text = str(part)
+    return text in {"str", "int", "float", "bool", "list", "dict"} or "[" in text or text[:1].isupper()
 
 
 def install(app: FastAPI) -> None:

@@ -27,6 +27,8 @@ class Sequence:
         self.generated_ids: list[int] = []
         self.finish_reason: str | None = None
         self.is_prefilled = False
+        self._pending_ids: list[int] = []
+        self._pending_logprobs: list[TokenLogprob] = []
         params = request.params
         self.sampler = Sampler(params, request.prompt_ids, loaded.vocab_size, loaded.device)
         self.detok = Detokenizer(loaded.tokenizer, params.stop)
@@ -72,10 +74,14 @@ class Sequence:
                 self.finish_reason = "stop"
             elif self._is_at_length_limit():
                 text, self.finish_reason = text + self.detok.flush(), "length"
-        logprobs = [logprob] if logprob is not None else None
-        if not text and logprobs is None:
-            return None
-        return TextDelta(text, [token_id], logprobs)
+        self._pending_ids.append(token_id)
+        if logprob is not None:
+            self._pending_logprobs.append(logprob)
+        if not text and logprob is None and self.finish_reason is None:
+            return None  # no visible text yet (e.g. half a character): report these ids with the next text
+        delta = TextDelta(text, self._pending_ids, self._pending_logprobs or None)
+        self._pending_ids, self._pending_logprobs = [], []
+        return delta
 
     def _is_at_length_limit(self) -> bool:
         total = len(self.request.prompt_ids) + len(self.generated_ids)

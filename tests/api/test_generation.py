@@ -1,0 +1,163 @@
+"""JSON and SSE shapes, session continuation over HTTP, honest cached_tokens."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import reference_greedy
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def sse_events(response) -> list:
+    assert response.headers["content-type"].startswith("text/event-stream")
+    raw = response.read().decode()
+    blocks = [b for b in raw.split("\n\n") if b.strip()]
+    events = []
+    for block in blocks:
+        lines = [ln for ln in block.split("\n") if not ln.startswith(":")]
+        if not lines:
+            continue
+        assert len(lines) == 1 and lines[0].startswith("data: "), block
+        payload = lines[0][len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_completion_json_shape(client):
+    r = client.post(COMPLETIONS, json={"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    choice = body["choices"][0]
+    assert set(choice) == {"index", "text", "finish_reason", "logprobs"}
+    assert body["usage"]["completion_tokens"] <= 5
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_completion_accepts_token_ids(client, tiny):
+    ids = tiny.tokenizer("Hello world")["input_ids"]
+    by_ids = client.post(COMPLETIONS, json={"model": "tiny", "prompt": ids, "max_tokens": 5, "temperature": 0})
+    by_text = client.post(COMPLETIONS, json={"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "temperature": 0})
+    assert by_ids.json()["choices"][0]["text"] == by_text.json()["choices"][0]["text"]
+    assert by_ids.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_chat_stream_framing(client):
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    with client.stream("POST", CHAT, json=body) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    first, *middle, finish, usage, _ = events
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["choices"][0]["finish_reason"] is None and "content" in e["choices"][0]["delta"] for e in middle)
+    assert finish["choices"][0]["finish_reason"] == "length" and finish["choices"][0]["delta"] == {}
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    assert len({e["id"] for e in events[:-1]}) == 1
+
+
+def test_completion_stream_without_usage(client):
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "stream": True, "ignore_eos": True}
+    with client.stream("POST", COMPLETIONS, json=body) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(e["object"] == "text_completion" for e in events[:-1])
+
+
+def chat_turn(client, session, messages, max_tokens=5, **extra):
+    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = client.post(CHAT, json={**body, **extra}, headers={"X-Session-ID": session} if session else {})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def fresh_text(tiny, messages, max_tokens=5) -> str:
+    text = tiny.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tiny.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tiny.tokenizer.decode(reference_greedy(tiny.model, ids, max_tokens), skip_special_tokens=True)
+
+
+def test_chat_session_three_turns_and_edited_history(client, engine, tiny):
+    messages = [{"role": "system", "content": "Be brief."}]
+    cached = []
+    for turn, user in enumerate(["Hello world", "Paris is", "The quick brown fox"]):
+        messages.append({"role": "user", "content": user})
+        before = engine.counter.num_prefill_tokens
+        r = chat_turn(client, "chat3", messages)
+        usage = r.json()["usage"]
+        assert engine.counter.num_prefill_tokens - before == usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+        content = r.json()["choices"][0]["message"]["content"]
+        assert content == fresh_text(tiny, messages), f"turn {turn + 1}"
+        assert r.headers["X-Session-ID"] == "chat3"
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+        messages.append({"role": "assistant", "content": content})
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
+    edited = messages[:2] + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "Hi"}]
+    r = chat_turn(client, "chat3", edited)
+    reused = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < reused < cached[2]  # the edited history still reuses its untouched prefix
+    assert r.json()["choices"][0]["message"]["content"] == fresh_text(tiny, edited)
+    info = client.get("/v1/sessions/chat3").json()
+    assert info["turns"] == 4 and info["cached_tokens"] > 0 and info["bytes"] > 0
+
+
+def test_session_via_body_and_header_are_the_same(client):
+    messages = [{"role": "user", "content": "Hello"}]
+    chat_turn(client, None, messages, session_id="both")
+    r = chat_turn(client, "both", messages)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_stateless_request_reports_zero_cached(client):
+    messages = [{"role": "user", "content": "Hello"}]
+    for _ in range(2):
+        r = chat_turn(client, None, messages)
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert "X-Session-ID" not in r.headers
+
+
+def test_prompt_cache_key_bucket_reuses_without_locking(client):
+    messages = [{"role": "user", "content": "Caf\u00e9 cr\u00e8me"}]
+    chat_turn(client, None, messages, prompt_cache_key="bucket")
+    r = chat_turn(client, None, messages, prompt_cache_key="bucket")
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4000, "stream": True, "prompt_cache_key": "b2"}
+    with client.stream("POST", CHAT, json={**body, "ignore_eos": True}) as first:
+        next(first.iter_lines())
+        second = chat_turn(client, None, messages, prompt_cache_key="b2")  # a busy bucket: no 409
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_logprobs_shapes(client):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    r = client.post(CHAT, json={**body, "logprobs": True, "top_logprobs": 2, "ignore_eos": True})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert content[0]["token"] == content[0]["top_logprobs"][0]["token"]
+    r = client.post(COMPLETIONS, json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "logprobs": 1, "ignore_eos": True})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+
+
+def test_models_health_ready(client):
+    ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert ids == ["tiny", "tiny-twin"]
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json()["status"] == "ready"
+
+
+def test_delete_session(client):
+    chat_turn(client, "gone", [{"role": "user", "content": "Hello"}])
+    assert client.delete("/v1/sessions/gone").json()["deleted"] is True
+    assert client.get("/v1/sessions/gone").status_code == 404

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from server.engine.kv_store import KVStore  # noqa: E402
+from server.engine.registry import LoadedModel, ModelSpec, load_model  # noqa: E402
+from tests.tiny import save_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_spec(tmp_path_factory) -> ModelSpec:
+    return save_tiny(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_spec) -> LoadedModel:
+    return load_model(tiny_spec, Path("unused-cache"))
+
+
+@pytest.fixture()
+def store() -> KVStore:
+    return KVStore(budget_bytes=1 << 30, ttl_s=3600)
