@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from server.settings import Settings
@@ -18,6 +19,7 @@ OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or th
     "--session-ttl-s": "session_ttl_s",
     "--default-max-tokens": "default_max_tokens",
     "--request-timeout-s": "request_timeout_s",
+    "--shutdown-grace-s": "shutdown_grace_s",
     "--log-level": "log_level",
 }
 
@@ -43,7 +45,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from server.app import create_app
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler it found
+    # installed. A graceful stop is a success: leave no-op handlers there so the process exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    )
     return 0
 
 

@@ -24,6 +24,7 @@ class Settings(BaseSettings):
     session_ttl_s: float = Field(3600.0, gt=0, description="idle sessions are forgotten after this")
     default_max_tokens: int = Field(512, gt=0, description="when a request gives no max_tokens")
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is ended")
+    shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long open requests may finish")
     log_level: str = "info"
 
 

@@ -17,7 +17,8 @@ CHAT_TEMPLATE = (
 )
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Sessions keep their cache between turns.",
-    "Paris is the capital of France; Berlin is the capital of Germany. Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9.",
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+    "Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9.",
     "Numbers 0123456789 and symbols !?.,;:()[]{} appear in text. Hello world, hello kvserve.",
     "Emoji \U0001f600 and CJK \u4e2d\u6587 are split into several byte tokens by a byte-level tokenizer.",
 ]

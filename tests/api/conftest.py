@@ -1,9 +1,13 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
+import threading
 import time
 
+import httpx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from server.app import create_app
@@ -30,3 +34,28 @@ def client(tiny_spec):
 @pytest.fixture()
 def engine(client):
     return client.app.state.host.engines["tiny"]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_spec):
+    """A real uvicorn server in a thread: real disconnects and real concurrency (TestClient has neither)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(Settings(), specs=[tiny_spec])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(base + "/ready").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield base, app.state.host.engines["tiny"]
+    server.should_exit = True
+    thread.join(10)

@@ -34,6 +34,7 @@ async def test_greedy_equals_hf_generate(engine, tiny):
 async def test_continued_turns_equal_fresh_runs(engine, tiny):
     """Each turn continues from the session cache and yields the ids of a fresh run over the same prompt."""
     prompt = ids(tiny, "Sessions keep their cache")
+    num_extra = 0
     for turn, extra in enumerate([" between turns.", " Hello world,", " Paris is"]):
         before = engine.counter.num_prefill_tokens
         result = await run(engine, prompt, session="s", max_tokens=6, ignore_eos=True)
@@ -41,9 +42,9 @@ async def test_continued_turns_equal_fresh_runs(engine, tiny):
         computed = engine.counter.num_prefill_tokens - before
         assert computed == result.usage.prompt_tokens - result.usage.cached_tokens
         if turn > 0:  # everything the previous turn fed is reused
-            assert result.usage.cached_tokens == len(prompt) - len(ids(tiny, extra_prev)) - 1
+            assert result.usage.cached_tokens == len(prompt) - num_extra - 1
         prompt = prompt + result.token_ids + ids(tiny, extra)
-        extra_prev = extra
+        num_extra = len(ids(tiny, extra))
 
 
 async def test_edited_history_reuses_the_common_prefix(engine, tiny):
@@ -107,7 +108,9 @@ async def test_concurrent_seeded_requests_do_not_disturb_each_other(engine, tiny
     params = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
     alone_a = await run(engine, prompt, seed=1, **params)
     alone_b = await run(engine, prompt, seed=2, **params)
-    both = await asyncio.gather(run(engine, prompt, seed=1, rid="a", **params), run(engine, prompt, seed=2, rid="b", **params))
+    both = await asyncio.gather(
+        run(engine, prompt, seed=1, rid="a", **params), run(engine, prompt, seed=2, rid="b", **params)
+    )
     assert [both[0].token_ids, both[1].token_ids] == [alone_a.token_ids, alone_b.token_ids]
     assert alone_a.token_ids != alone_b.token_ids
 
