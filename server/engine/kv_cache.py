@@ -52,10 +52,14 @@ class GrowableLayer(DynamicLayer):
         self.is_initialized = False
 
     def shrink_to_fit(self) -> None:
-        """Drop spare capacity (a copy): used when a sequence goes idle in the store."""
-        if self.is_initialized and self._k_buf.shape[-2] > self.num_tokens:
-            self._k_buf = self.keys.clone()
-            self._v_buf = self.values.clone()
+        """Give back large spare capacity (a copy) when the sequence goes idle in the store.
+
+        Some headroom stays: the next turn appends, and regrowing right after a shrink would copy
+        the whole history twice per turn.
+        """
+        if self.is_initialized and self._k_buf.shape[-2] - self.num_tokens > 2 * GROW_QUANTUM:
+            self._k_buf = _regrow(self._k_buf, self.num_tokens + GROW_QUANTUM, self.num_tokens)
+            self._v_buf = _regrow(self._v_buf, self.num_tokens + GROW_QUANTUM, self.num_tokens)
             self._refresh_views()
 
     def storages(self) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from server.engine.kv_cache import cache_nbytes, crop_cache, new_cache
+from server.engine.kv_cache import GROW_QUANTUM, cache_nbytes, crop_cache, new_cache
 from server.engine.kv_store import KVStore
 from server.engine.types import SessionBusy, SessionKey, SessionModelMismatch
 
@@ -21,6 +21,9 @@ def filled_cache(num_tokens: int):
         kv = torch.randn(1, 1, num_tokens, HEAD_DIM)
         cache.update(kv, kv.clone(), layer)
     return cache
+
+
+ENTRY_BYTES = cache_nbytes(filled_cache(10))  # a 10-token entry, its growth headroom included
 
 
 def held_bytes(cache) -> int:
@@ -89,23 +92,24 @@ def test_byte_accounting_counts_the_storage_really_held():
     assert cache_nbytes(cache) == before == held_bytes(cache)
 
 
-def test_store_bytes_after_release_equal_exact_storage(store):
+def test_store_bytes_after_release_equal_the_storage_held(store):
     entry = store.acquire(key("b"), "m")
-    cache = filled_cache(300)
+    cache = filled_cache(2000)
     crop_cache(cache, 120)
     store.release(entry, cache, list(range(120)), list(range(121)))
-    assert store.info(key("b")).nbytes == held_bytes(cache) == 120 * TOKEN_BYTES  # idle: spare capacity dropped
-    assert store.stats().nbytes == 120 * TOKEN_BYTES
+    held = held_bytes(cache)
+    assert store.info(key("b")).nbytes == held == store.stats().nbytes
+    assert held == (120 + GROW_QUANTUM) * TOKEN_BYTES  # idle: large spare capacity given back, headroom kept
 
 
 def test_lru_eviction_order_keeps_transcripts():
     clock = Clock()
-    store = KVStore(budget_bytes=25 * TOKEN_BYTES, ttl_s=1e9, clock=clock)
+    store = KVStore(budget_bytes=int(2.5 * ENTRY_BYTES), ttl_s=1e9, clock=clock)
     for name in ("a", "b"):
         put(store, name, list(range(10)), clock)
     store.release(store.acquire(key("a"), "m"), *_keep(store, "a"))  # touch a: b is now least recent
     clock.now += 1
-    put(store, "c", list(range(10)), clock)  # 30 tokens > budget of 25: evict one, the LRU
+    put(store, "c", list(range(10)), clock)  # 3 entries > budget of 2.5: evict one, the LRU
     assert store.info(key("b")).num_cached_tokens == 0
     assert store.info(key("b")).num_transcript_tokens == 10  # the transcript survives eviction
     assert store.info(key("a")).num_cached_tokens == 10
@@ -119,11 +123,11 @@ def _keep(store, name):
 
 
 def test_in_use_entry_is_never_evicted():
-    store = KVStore(budget_bytes=25 * TOKEN_BYTES, ttl_s=1e9)
+    store = KVStore(budget_bytes=int(2.5 * ENTRY_BYTES), ttl_s=1e9)
     put(store, "busy", list(range(10)))
     put(store, "idle", list(range(10)))
     entry = store.acquire(key("busy"), "m")  # the least recently used, but in use
-    store.make_room(20 * TOKEN_BYTES)  # over budget: only the idle one may go
+    store.make_room(2 * ENTRY_BYTES)  # over budget: only the idle one may go
     assert entry.cache is not None and entry.cached_ids == list(range(10))
     assert store.info(key("idle")).num_cached_tokens == 0
 

@@ -1,0 +1,153 @@
+"""Helpers shared by the bench scripts: spawn a server, HF generate() baseline, markdown/plot output."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADER = (
+    "# Benchmarks\n\nEach section is written by its script in bench/, measured side by side in one run on a "
+    "shared, noisy 2-core machine: read the ratios, not the absolute numbers.\n"
+)
+
+
+def spawn_server(extra_args: list[str] | None = None, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(
+        cmd + (extra_args or []), cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited during start-up")
+        try:
+            if httpx.get(base + "/ready").status_code == 200:
+                return proc, base + "/v1"
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server not ready in time")
+
+
+def hf_decode_rate(args, prompts: list[list[dict]], num_tokens: int, repeats: int = 3) -> float | None:
+    """Median decode tokens/s of HF generate() in this process on the same prompts: (N-1) / (T(N) - T(1))."""
+    import torch
+
+    from server.engine.registry import ModelSpec, load_model, read_specs
+
+    if args.hf_model_dir:
+        spec = ModelSpec(id="hf", source=args.hf_model_dir)
+    else:
+        specs = {s.id: s for s in read_specs(ROOT / "models" / "models.toml")}
+        if args.model not in specs:
+            return None
+        spec = specs[args.model]
+    loaded = load_model(spec, ROOT / "models" / "cache")
+
+    def timed(ids, n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            loaded.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    rates = []
+    for messages in prompts:
+        text = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = torch.tensor([loaded.tokenizer(text, add_special_tokens=False)["input_ids"]])
+        timed(ids, 2)  # warm-up
+        rates += [(num_tokens - 1) / (timed(ids, num_tokens) - timed(ids, 1)) for _ in range(repeats)]
+    return statistics.median(rates)
+
+
+def machine_line() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def replace_section(path: Path, name: str, body: str) -> None:
+    """Rewrite one marked section of a markdown file, keeping the rest."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = path.read_text() if path.exists() else HEADER
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def render_report(out: Path, session_rows, baseline_rows, fresh_rows, summary, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    plot = out / "multiturn_ttft.png"
+    _plot(plot, session_rows, baseline_rows, fresh_rows)
+    lines = [
+        "## Multi-turn conversation: session vs no session",
+        "",
+        f"`python bench/multiturn.py{' --spawn' if args.spawn else ''}` on {machine_line()}, "
+        f"model `{args.model}`, {args.turns} turns, max_tokens {args.max_tokens}"
+        f"{', ignore_eos' if args.ignore_eos else ''}, greedy. {time.strftime('%Y-%m-%d')}.",
+        "",
+        "| turn | prompt tok | cached (session) | TTFT session ms | TTFT no session ms | cached (no session) "
+        "| TTFT fresh, same new tokens ms | decode tok/s session | decode tok/s no session |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s, b, f in zip(session_rows, baseline_rows, fresh_rows, strict=True):
+        lines.append(
+            f"| {s['turn']} | {s['prompt_tokens']} | {s['cached_tokens']} | {s['ttft_s'] * 1000:.1f} "
+            f"| {b['ttft_s'] * 1000:.1f} | {b['cached_tokens']} | {f['ttft_s'] * 1000:.1f} "
+            f"| {s['decode_tok_s']:.1f} | {b['decode_tok_s']:.1f} |"
+        )
+    hf = summary["hf_generate_decode_tok_s"]
+    ratio = summary["server_over_hf_decode"]
+    lines += [
+        "",
+        f"- Turn {args.turns} TTFT, no session / session: **{summary['turn_last_ttft_speedup']:.1f}x** (target >= 5x).",
+        "- Median TTFT of turns 2..N with a session / median TTFT of a fresh stateless prompt of as many tokens as "
+        f"the session computed: **{summary['median_later_ttft_over_fresh_new_tokens']:.2f}x** (target <= 2x).",
+        f"- Decode, median over all turns of both runs: server {summary['server_decode_tok_s']:.1f} tok/s over "
+        "HTTP/SSE; "
+        + (
+            f"HF `generate()` in-process on the first and last turns' prompts (median of 6) {hf:.1f} tok/s: "
+            f"**{ratio:.2f}x** (target >= 0.9x)."
+            if hf
+            else "HF comparison skipped (model not local)."
+        ),
+        "",
+        f"![TTFT per turn]({plot.name})",
+    ]
+    replace_section(out / "benchmarks.md", "multiturn", "\n".join(lines))
+
+
+def _plot(path: Path, session_rows, baseline_rows, fresh_rows) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = [r["turn"] for r in session_rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(turns, [r["ttft_s"] * 1000 for r in baseline_rows], "o-", label="no session (full prompt)")
+    ax.plot(turns, [r["ttft_s"] * 1000 for r in session_rows], "o-", label="session (cached K/V)")
+    ax.plot(turns, [r["ttft_s"] * 1000 for r in fresh_rows], "x--", label="fresh prompt, same new tokens")
+    ax.set_xlabel("turn")
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token (ms, log scale)")
+    ax.set_title("kvserve: TTFT per turn")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
