@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test test-fast lint format bench clean
+.PHONY: install serve test test-fast lint format bench smoke clean
 
 install: $(STAMP)
 
@@ -49,3 +49,7 @@ bench: install
 
 clean:
 	rm -rf $(VENV) models/cache .pytest_cache .ruff_cache
+
+# Build the CPU image with Podman and smoke-test a running container (slow: minutes; not part of CI).
+smoke:
+	bash docker/build-and-smoke.sh

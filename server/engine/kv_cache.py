@@ -54,12 +54,13 @@ class GrowableLayer(DynamicLayer):
     def shrink_to_fit(self) -> None:
         """Give back large spare capacity (a copy) when the sequence goes idle in the store.
 
-        Some headroom stays: the next turn appends, and regrowing right after a shrink would copy
-        the whole history twice per turn.
+        Headroom of an eighth of the length stays: the next turn appends tens of tokens, and
+        regrowing right after a shrink would copy the whole history twice per turn.
         """
-        if self.is_initialized and self._k_buf.shape[-2] - self.num_tokens > 2 * GROW_QUANTUM:
-            self._k_buf = _regrow(self._k_buf, self.num_tokens + GROW_QUANTUM, self.num_tokens)
-            self._v_buf = _regrow(self._v_buf, self.num_tokens + GROW_QUANTUM, self.num_tokens)
+        headroom = self.num_tokens // 8
+        if self.is_initialized and self._k_buf.shape[-2] - self.num_tokens > 2 * headroom + 16:
+            self._k_buf = _regrow(self._k_buf, self.num_tokens + headroom, self.num_tokens)
+            self._v_buf = _regrow(self._v_buf, self.num_tokens + headroom, self.num_tokens)
             self._refresh_views()
 
     def storages(self) -> list[torch.Tensor]:

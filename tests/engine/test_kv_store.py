@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from server.engine.kv_cache import GROW_QUANTUM, cache_nbytes, crop_cache, new_cache
+from server.engine.kv_cache import cache_nbytes, crop_cache, new_cache
 from server.engine.kv_store import KVStore
 from server.engine.types import SessionBusy, SessionKey, SessionModelMismatch
 
@@ -23,7 +23,7 @@ def filled_cache(num_tokens: int):
     return cache
 
 
-ENTRY_BYTES = cache_nbytes(filled_cache(10))  # a 10-token entry, its growth headroom included
+ENTRY_BYTES = (10 + 10 // 8) * TOKEN_BYTES  # an idle 10-token entry with its headroom
 
 
 def held_bytes(cache) -> int:
@@ -99,7 +99,7 @@ def test_store_bytes_after_release_equal_the_storage_held(store):
     store.release(entry, cache, list(range(120)), list(range(121)))
     held = held_bytes(cache)
     assert store.info(key("b")).nbytes == held == store.stats().nbytes
-    assert held == (120 + GROW_QUANTUM) * TOKEN_BYTES  # idle: large spare capacity given back, headroom kept
+    assert held == (120 + 120 // 8) * TOKEN_BYTES  # idle: spare capacity given back, an eighth kept as headroom
 
 
 def test_lru_eviction_order_keeps_transcripts():

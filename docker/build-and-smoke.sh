@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Build the CPU variant of the image with Podman and smoke-test a running container.
+# Follows ../shared/CONTAINERS.md: a debootstrap base (no registry), engine config in a scratch
+# containers.conf (nothing written under /etc), torch from a local wheelhouse.
+# Checks: /ready, a streamed chat turn on a session, a second turn reporting cached tokens,
+# the HEALTHCHECK, a non-root process, and `podman stop` ending it with exit code 0.
+# Exits non-zero on any failure; removes the container and volumes it started.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SCRATCH="$ROOT/docker/.build"
+IMAGE=${IMAGE:-localhost/kvserve:cpu-smoke}
+NAME=kvserve-smoke-$$
+PORT=${PORT:-18000}
+STOP_TIMEOUT=${STOP_TIMEOUT:-30}  # above KVSERVE_SHUTDOWN_GRACE_S (10 s by default)
+BASE_TAG=docker.io/library/debian:bookworm-slim
+PY=${PY:-python3}
+MODEL=smollm2-135m-instruct
+T0=$(date +%s)
+
+step() { printf '\n[%4ss] == %s\n' "$(($(date +%s) - T0))" "$*"; }
+fail() { echo "SMOKE FAILED: $*" >&2; exit 1; }
+
+cleanup() {
+    podman rm -f "$NAME" >/dev/null 2>&1 || true
+    podman volume rm -f "$NAME-state" "$NAME-models" >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+
+step "host tools (podman, runc, debootstrap, catatonit)"
+if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v debootstrap >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap catatonit >/dev/null
+fi
+mkdir -p "$SCRATCH"
+nofile=$(ulimit -Hn)
+nproc=$(ulimit -Hu)
+if [ "$nproc" = unlimited ] || [ "$nproc" -gt 32768 ]; then nproc=32768; fi
+cat >"$SCRATCH/containers.conf" <<EOF
+[containers]
+default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
+[engine]
+runtime = "runc"
+EOF
+export CONTAINERS_CONF="$SCRATCH/containers.conf"
+podman --version
+
+step "base image $BASE_TAG (debootstrap; made once)"
+if ! podman image exists "$BASE_TAG"; then
+    rootfs="$SCRATCH/rootfs"
+    rm -rf "$rootfs"
+    mirror=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null \
+        | grep -oE 'https?://[^ ]+/debian/?$' | head -n1 || true)
+    debootstrap --variant=minbase --include=ca-certificates bookworm "$rootfs" "${mirror:-http://deb.debian.org/debian}" >/dev/null
+    # Build steps reach PyPI through this host's intercepting proxy: trust its CAs inside the base.
+    cp /usr/local/share/ca-certificates/*.crt "$rootfs/usr/local/share/ca-certificates/" 2>/dev/null || true
+    chroot "$rootfs" update-ca-certificates >/dev/null
+    printf 'deb %s bookworm main\ndeb %s bookworm-updates main\ndeb http://deb.debian.org/debian-security bookworm-security main\n' \
+        "${mirror:-http://deb.debian.org/debian}" "${mirror:-http://deb.debian.org/debian}" >"$rootfs/etc/apt/sources.list"
+    tar -C "$rootfs" -c . | podman import - localhost/debian-base:bookworm >/dev/null
+    podman tag localhost/debian-base:bookworm "$BASE_TAG"
+    rm -rf "$rootfs"
+fi
+
+step "wheelhouse: this machine's CPU torch wheel"
+find "$ROOT/docker/wheelhouse" -name '*.whl' -delete
+"$PY" -m pip download --quiet --no-deps --only-binary :all: torch==2.13.0 -d "$ROOT/docker/wheelhouse"
+ls -1 "$ROOT/docker/wheelhouse"/*.whl
+
+step "podman build (BASE=cpu)"
+podman build --format docker --build-arg BASE=cpu -t "$IMAGE" "$ROOT"
+size=$(podman image inspect "$IMAGE" --format '{{.Size}}')
+echo "image $IMAGE: $((size / 1000000)) MB"
+
+step "run with the port published on 127.0.0.1:$PORT"
+podman run -d --init --name "$NAME" -p "127.0.0.1:$PORT:8000" \
+    -v "$NAME-state:/var/lib/kvserve" -v "$NAME-models:/app/models" "$IMAGE" >/dev/null
+base="http://127.0.0.1:$PORT"
+
+step "wait for /ready (first start converts the GGUF into the state volume)"
+for _ in $(seq 1 300); do
+    code=$(curl -s -o /dev/null -w '%{http_code}' "$base/ready" || true)
+    [ "$code" = 200 ] && break
+    [ "$(podman inspect "$NAME" --format '{{.State.Running}}')" = true ] || { podman logs "$NAME"; fail "container exited"; }
+    sleep 1
+done
+[ "$code" = 200 ] || { podman logs "$NAME" | tail -20; fail "/ready never answered 200 (last: $code)"; }
+curl -s "$base/ready"; echo
+
+chat() {  # $1: messages JSON; prints the SSE stream
+    curl -sN "$base/v1/chat/completions" -H 'Content-Type: application/json' -H 'X-Session-ID: smoke' \
+        -d "{\"model\": \"$MODEL\", \"stream\": true, \"stream_options\": {\"include_usage\": true},
+             \"max_tokens\": 24, \"temperature\": 0, \"messages\": $1}"
+}
+parse() {  # stdin: SSE stream -> "content<TAB>cached_tokens", fails on a malformed stream
+    "$PY" -c '
+import json, sys
+lines = [l for l in sys.stdin.read().split("\n") if l.startswith("data: ")]
+assert lines and lines[-1] == "data: [DONE]", "stream did not end with [DONE]"
+events = [json.loads(l[6:]) for l in lines[:-1]]
+assert not any("error" in e for e in events), events
+text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+usage = events[-1]["usage"]
+print(text.replace("\n", " ") + "\t" + str(usage["prompt_tokens_details"]["cached_tokens"]))'
+}
+
+step "turn 1: streamed chat on session 'smoke'"
+q1='[{"role": "user", "content": "What is the capital of France?"}]'
+IFS=$'\t' read -r answer1 cached1 < <(chat "$q1" | parse)
+echo "answer: $answer1 | cached_tokens: $cached1"
+[ -n "$answer1" ] || fail "empty answer"
+
+step "turn 2: same session, cached tokens reported"
+a1=$("$PY" -c 'import json,sys; print(json.dumps(sys.argv[1]))' "$answer1")
+q2="[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}, {\"role\": \"assistant\", \"content\": $a1}, {\"role\": \"user\", \"content\": \"And of Germany?\"}]"
+IFS=$'\t' read -r answer2 cached2 < <(chat "$q2" | parse)
+echo "answer: $answer2 | cached_tokens: $cached2"
+[ "$cached2" -gt 0 ] || fail "second turn reported no cached tokens"
+curl -s "$base/v1/sessions/smoke"; echo
+
+step "HEALTHCHECK"
+podman healthcheck run "$NAME" && echo "healthcheck: healthy" || fail "healthcheck failed"
+
+step "runs as a non-root user"
+uid=$(podman exec "$NAME" python3 -c 'import os; print(os.getuid())')
+podman top "$NAME" user huser args
+[ "$uid" != 0 ] || fail "the server runs as root"
+echo "uid inside: $uid"
+
+step "podman stop -t $STOP_TIMEOUT: SIGTERM handled, exit code 0"
+start=$(date +%s)
+podman stop -t "$STOP_TIMEOUT" "$NAME" >/dev/null
+exit_code=$(podman inspect "$NAME" --format '{{.State.ExitCode}}')
+echo "stopped in $(($(date +%s) - start)) s, exit code $exit_code"
+podman logs "$NAME" 2>&1 | tail -4
+[ "$exit_code" = 0 ] || fail "exit code $exit_code after SIGTERM"
+
+step "SMOKE PASSED (image $((size / 1000000)) MB)"
