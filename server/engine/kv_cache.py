@@ -99,13 +99,12 @@ def cache_length(cache: DynamicCache) -> int:
 
 def crop_cache(cache: DynamicCache, num_tokens: int) -> bool:
     """Keep the first `num_tokens` positions. False when this cache cannot be cropped (sliding layers)."""
-    current = cache.get_seq_length()
-    if num_tokens >= current:
+    if num_tokens >= cache.get_seq_length():
         return True
     if not is_croppable(cache):
         return False
     for layer in cache.layers:
-        layer.crop(num_tokens - current)
+        layer.crop(num_tokens - layer.get_seq_length())
     return True
 
 

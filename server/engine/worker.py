@@ -24,6 +24,7 @@ from server.engine.types import EngineStopped, Failed, Finished, GenerationReque
 
 log = logging.getLogger("kvserve.engine")
 IDLE_TICK_S = 1.0  # how often an idle engine wakes to expire sessions
+CONSISTENT_FAILURES = ("cancelled", "request_timeout", "shutting_down")  # noticed between steps
 
 
 class Engine:
@@ -79,8 +80,11 @@ class Engine:
                 self.store.expire()
             return
         while item is not None:
-            request, entry, handle = item
-            self._active.append(Sequence(request, entry, handle, self.loaded))
+            try:
+                self._active.append(Sequence(*item, self.loaded))
+            except Exception:
+                log.exception("request %s could not start", item[0].request_id)
+                self._reject(item, Failed("internal_error", "the request could not start"))
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -93,10 +97,13 @@ class Engine:
             except queue.Empty:
                 return
             if item is not None:
-                request, entry, handle = item
-                if entry is not None:
-                    self.store.release(entry, None, [], None)
-                handle.push(Failed("shutting_down", "the server is shutting down"))
+                self._reject(item, Failed("shutting_down", "the server is shutting down"))
+
+    def _reject(self, item: tuple, event: Failed) -> None:
+        _request, entry, handle = item
+        if entry is not None:
+            self.store.release(entry, None, [], None)
+        handle.push(event)
 
     def _step(self, seq: Sequence) -> None:
         try:
@@ -127,7 +134,10 @@ class Engine:
         entry: Entry | None = seq.entry
         if entry is not None:
             transcript = seq.transcript_ids() if is_complete else None
-            self.store.release(entry, seq.cache, seq.fed_ids, transcript)
+            # A forward that raised may have written some layers and not others: never keep that cache.
+            is_consistent = is_complete or event.code in CONSISTENT_FAILURES
+            cache = seq.cache if is_consistent else None
+            self.store.release(entry, cache, seq.fed_ids if is_consistent else [], transcript)
         seq.cache = None
         seq.handle.push(event)
         log.debug("request %s done: %s in %.3f s", seq.request.request_id, event, time.monotonic() - seq.started)

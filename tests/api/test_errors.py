@@ -117,3 +117,25 @@ def test_failed_model_makes_ready_say_why_and_generation_503(tiny_spec, tmp_path
         err = assert_error(c.get("/ready"), 503, "not_ready")
         assert "broken" in err["message"] and "missing" in err["message"]
         assert_error(c.post(CHAT, json={"model": "broken", "messages": MSG}), 503, "not_ready")
+
+
+def test_ready_is_503_while_a_model_loads(tiny_spec, monkeypatch):
+    import threading
+
+    import server.hosting
+
+    release = threading.Event()
+    real_load = server.hosting.load_model
+
+    def slow_load(spec, cache_dir):
+        release.wait(30)
+        return real_load(spec, cache_dir)
+
+    monkeypatch.setattr(server.hosting, "load_model", slow_load)
+    with TestClient(create_app(Settings(), specs=[tiny_spec])) as c:
+        err = assert_error(c.get("/ready"), 503, "not_ready")
+        assert "tiny is loading" in err["message"]
+        assert_error(c.post(CHAT, json={"model": "tiny", "messages": MSG}), 503, "not_ready")
+        assert c.get("/health").status_code == 200
+        release.set()
+        wait_ready(c)

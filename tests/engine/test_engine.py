@@ -7,6 +7,8 @@ import asyncio
 import pytest
 
 from server.engine.kv_store import KVStore
+from server.engine.sampler import Sampler
+from server.engine.types import GenerationRequest, SamplingParams, SessionKey
 from server.engine.worker import Engine
 from tests.helpers import reference_greedy, run
 
@@ -79,8 +81,6 @@ async def test_stateless_requests_never_reuse(engine, tiny):
 async def test_timeout_ends_request_and_keeps_the_transcript(engine, tiny):
     prompt = ids(tiny, "The quick brown fox")
     await run(engine, prompt, session="t", max_tokens=2, ignore_eos=True)
-    from server.engine.types import GenerationRequest, SamplingParams, SessionKey
-
     req = GenerationRequest("slow", prompt, SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True))
     req.session, req.timeout_s = SessionKey("default", "t"), 0.05
     events = [e async for e in engine.submit(req)]
@@ -90,8 +90,6 @@ async def test_timeout_ends_request_and_keeps_the_transcript(engine, tiny):
 
 
 async def test_cancel_stops_within_one_step(engine, tiny):
-    from server.engine.types import GenerationRequest, SamplingParams
-
     req = GenerationRequest("c", ids(tiny, "Hello"), SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True))
     handle = engine.submit(req)
     await handle.__anext__()
@@ -132,3 +130,33 @@ async def test_stop_token_ids_and_logprobs(engine, tiny):
     assert all(len(lp.top) == 3 and lp.top[0][0] == lp.token_id for lp in full.logprobs)  # greedy = top-1
     cut = await run(engine, prompt, max_tokens=8, ignore_eos=True, stop_token_ids=[full.token_ids[3]])
     assert cut.finish_reason == "stop" and cut.usage.completion_tokens == 4
+
+
+async def test_prefill_projects_only_the_last_position(engine, tiny):
+    seen = []
+    hook = tiny.model.get_output_embeddings().register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape))
+    try:
+        await run(engine, ids(tiny, "The quick brown fox jumps over the lazy dog."), max_tokens=2, ignore_eos=True)
+    finally:
+        hook.remove()
+    assert [shape[1] for shape in seen] == [1, 1]  # prefill and one decode step: one position each
+
+
+async def test_a_failing_request_fails_alone(engine, tiny, monkeypatch):
+    real_sample = Sampler.sample
+
+    def flaky(self, logits):
+        if self.params.seed == 666:
+            raise RuntimeError("boom")
+        return real_sample(self, logits)
+
+    monkeypatch.setattr(Sampler, "sample", flaky)
+    prompt = ids(tiny, "Hello world")
+    bad, good = await asyncio.gather(
+        run(engine, prompt, session="f", rid="bad", seed=666, max_tokens=5),
+        run(engine, prompt, rid="good", seed=1, max_tokens=5, ignore_eos=True),
+    )
+    assert bad.error.code == "internal_error" and good.usage.completion_tokens == 5
+    info = engine.store.info(SessionKey("default", "f"))
+    assert info.num_turns == 0 and info.num_cached_tokens == 0 and not info.is_in_use
+    assert (await run(engine, prompt, session="f", max_tokens=2)).usage is not None  # the engine keeps serving
