@@ -23,6 +23,8 @@ TYPES = {
 ENGINE_STATUS = {
     "session_busy": 409,
     "session_model_mismatch": 400,
+    "context_length_exceeded": 400,
+    "server_overloaded": 429,
     "request_timeout": 504,
     "out_of_memory": 503,
     "shutting_down": 503,
@@ -32,9 +34,10 @@ ENGINE_STATUS = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, param: str | None = None, headers=None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.param = status, code, message, param
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.status, self.code, self.message, self.param)

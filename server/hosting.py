@@ -8,7 +8,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.engine.batch_engine import BatchEngine, PoolConfig
 from server.engine.kv_store import KVStore
+from server.engine.paged_attention import unpageable_reason
 from server.engine.registry import ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
 from server.engine.worker import Engine
 from server.settings import Settings, default_kv_budget
@@ -63,11 +65,25 @@ class ModelHost:
                 continue
             if self.settings.kv_budget_bytes is None and loaded.device.type == "cuda":
                 self.store.budget_bytes = default_kv_budget("cuda", _free_cuda(loaded.device), _total_ram())
-            engine = Engine(loaded, self.store)
+            engine = self._engine(loaded)
             engine.start()
             self.engines[state.spec.id] = engine
             state.status = "ready"
             log.info("model %s ready on %s (%s)", state.spec.id, loaded.device, loaded.dtype)
+
+    def _engine(self, loaded):
+        reason = unpageable_reason(loaded.model, loaded.max_context)
+        if reason is not None:
+            log.warning(
+                "model %s cannot use the paged K/V pool (%s): serving it one sequence per forward pass "
+                "with per-session caches",
+                loaded.spec.id,
+                reason,
+            )
+            return Engine(loaded, self.store)
+        s = self.settings
+        pool = PoolConfig(self.store.budget_bytes, s.block_size, s.max_batch_tokens, s.max_queue, s.prefix_caching)
+        return BatchEngine(loaded, self.store, pool)
 
 
 def resolve_specs(settings: Settings) -> list[ModelSpec]:

@@ -98,6 +98,9 @@ class SamplingFields(_Unsupported):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     session_id: SessionId | None = Field(None, description="an explicit session (created on first use)")
+    cache_prompt: bool = Field(
+        True, description="false: reuse no cached K/V and publish none (for no-cache baselines; llama.cpp's name)"
+    )
     prompt_cache_key: str | None = Field(
         None, max_length=256, description="a cache bucket shared by many requests; never locks"
     )

@@ -24,6 +24,7 @@ from server.prompts import chat_ids, completion_ids, sampling_params
 from server.schemas import SESSION_ID_PATTERN, ChatCompletionRequest, CompletionRequest, SamplingFields
 
 SESSION_HEADER = "X-Session-ID"
+RETRY_AFTER_S = 1
 
 
 class Serving:
@@ -59,11 +60,15 @@ class Serving:
         )
         session = session_key(req, http, tenant)
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
-        gen = GenerationRequest(request_id, prompt_ids, params, session, self.settings.request_timeout_s)
+        gen = GenerationRequest(
+            request_id, prompt_ids, params, session, self.settings.request_timeout_s, tenant, req.cache_prompt
+        )
         try:
             handle = engine.submit(gen)
         except EngineError as exc:
-            raise ApiError(ENGINE_STATUS.get(exc.code, 500), exc.code, exc.message) from exc
+            status = ENGINE_STATUS.get(exc.code, 500)
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+            raise ApiError(status, exc.code, exc.message, headers=headers) from exc
         meta = formats.Meta(request_id, int(time.time()), engine.model_id, is_chat)
         headers = {SESSION_HEADER: session.name} if session and not session.is_bucket else {}
         token_text = _token_texts(loaded.tokenizer)

@@ -22,6 +22,10 @@ class Settings(BaseSettings):
         None, description="bytes of K/V kept for sessions; default: see default_kv_budget()"
     )
     session_ttl_s: float = Field(3600.0, gt=0, description="idle sessions are forgotten after this")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per block of the paged K/V pool")
+    max_batch_tokens: int = Field(256, ge=1, description="tokens per engine step (decode tokens + prefill chunks)")
+    max_queue: int = Field(64, ge=1, description="requests waiting for K/V blocks; more answer 429")
+    prefix_caching: bool = Field(True, description="share and keep K/V blocks by prefix (false: recompute all)")
     default_max_tokens: int = Field(512, gt=0, description="when a request gives no max_tokens")
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is ended")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long open requests may finish")

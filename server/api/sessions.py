@@ -23,17 +23,20 @@ async def get_session(
     host: ModelHost = Depends(deps.host),
     tenant: str = Depends(deps.tenant),
 ) -> dict:
-    info = host.store.info(SessionKey(tenant, session_id))
+    key = SessionKey(tenant, session_id)
+    info = host.store.info(key)
     if info is None:
         raise _not_found(session_id)
+    engine = host.engines.get(info.model_id)
+    num_cached, nbytes = engine.residency(key, host.store.transcript(key)) if engine else (0, 0)
     return {
         "id": info.session_id,
         "object": "session",
         "model": info.model_id,
         "turns": info.num_turns,
         "transcript_tokens": info.num_transcript_tokens,
-        "cached_tokens": info.num_cached_tokens,
-        "bytes": info.nbytes,
+        "cached_tokens": num_cached,
+        "bytes": nbytes,
         "in_use": info.is_in_use,
         "last_used_at": round(info.last_use, 3),
     }

@@ -147,6 +147,11 @@ class KVStore:
             entry = self._entries.get(key)
             return None if entry is None else _info(entry)
 
+    def transcript(self, key: SessionKey) -> list[int]:
+        with self._lock:
+            entry = self._entries.get(key)
+            return list(entry.transcript_ids) if entry else []
+
     def delete(self, key: SessionKey) -> bool:
         """Forget a session. One in use is detached: its request finishes, its state is then dropped."""
         with self._lock:

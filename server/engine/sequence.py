@@ -42,7 +42,8 @@ class Sequence:
 
     def prefill(self, store: KVStore, forward: Forward) -> TextDelta | None:
         prompt = self.request.prompt_ids
-        cache, num_cached = store.take_cache(self.entry, prompt) if self.entry is not None else (None, 0)
+        is_reusing = self.entry is not None and self.request.use_cache
+        cache, num_cached = store.take_cache(self.entry, prompt) if is_reusing else (None, 0)
         if cache is not None and not crop_cache(cache, num_cached):
             cache, num_cached = None, 0  # a cache that cannot be cut back is recomputed
         if cache is None:
@@ -55,15 +56,15 @@ class Sequence:
         logits = forward(prompt[num_cached:], cache, num_cached, is_prefill=True)
         self.fed_ids = list(prompt)
         self.is_prefilled = True
-        return self._accept(*self.sampler.sample(logits))
+        return self.accept(*self.sampler.sample(logits))
 
     def decode(self, forward: Forward) -> TextDelta | None:
         last = self.generated_ids[-1]
         logits = forward([last], self.cache, len(self.fed_ids), is_prefill=False)
         self.fed_ids.append(last)
-        return self._accept(*self.sampler.sample(logits))
+        return self.accept(*self.sampler.sample(logits))
 
-    def _accept(self, token_id: int, logprob: TokenLogprob | None) -> TextDelta | None:
+    def accept(self, token_id: int, logprob: TokenLogprob | None) -> TextDelta | None:
         self.generated_ids.append(token_id)
         self.sampler.observe(token_id)
         if token_id in self._stop_ids:

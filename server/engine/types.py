@@ -43,6 +43,8 @@ class GenerationRequest:
     params: SamplingParams
     session: SessionKey | None = None
     timeout_s: float | None = None
+    tenant: str = "default"  # salts the shared prefix cache: tenants never share K/V
+    use_cache: bool = True  # False: no K/V reuse and nothing published for others (baselines)
 
 
 @dataclass(slots=True)

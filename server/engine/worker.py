@@ -61,6 +61,11 @@ class Engine:
     def num_active(self) -> int:
         return len(self._active)
 
+    def residency(self, key, transcript_ids: list[int]) -> tuple[int, int]:
+        """(tokens of a session's K/V held in the store, bytes of the storage holding them)."""
+        info = self.store.info(key)
+        return (info.num_cached_tokens, info.nbytes) if info else (0, 0)
+
     # -- engine thread ------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
@@ -135,7 +140,7 @@ class Engine:
         if entry is not None:
             transcript = seq.transcript_ids() if is_complete else None
             # A forward that raised may have written some layers and not others: never keep that cache.
-            is_consistent = is_complete or event.code in CONSISTENT_FAILURES
+            is_consistent = seq.request.use_cache and (is_complete or event.code in CONSISTENT_FAILURES)
             cache = seq.cache if is_consistent else None
             self.store.release(entry, cache, seq.fed_ids if is_consistent else [], transcript)
         seq.cache = None

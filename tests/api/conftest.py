@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import threading
@@ -36,13 +37,13 @@ def engine(client):
     return client.app.state.host.engines["tiny"]
 
 
-@pytest.fixture(scope="module")
-def live(tiny_spec):
+@contextlib.contextmanager
+def serve_live(specs, settings: Settings):
     """A real uvicorn server in a thread: real disconnects and real concurrency (TestClient has neither)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(Settings(), specs=[tiny_spec])
+    app = create_app(settings, specs=specs)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -56,6 +57,14 @@ def live(tiny_spec):
             pass
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    yield base, app.state.host.engines["tiny"]
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield base, app.state.host.engines[specs[0].id]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_spec):
+    with serve_live([tiny_spec], Settings()) as served:
+        yield served

@@ -107,7 +107,7 @@ def test_chat_session_three_turns_and_edited_history(client, engine, tiny):
         assert r.headers["X-Session-ID"] == "chat3"
         cached.append(usage["prompt_tokens_details"]["cached_tokens"])
         messages.append({"role": "assistant", "content": content})
-    assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1]
+    assert cached[0] < cached[1] < cached[2]  # turn 1 may share a few template tokens with other conversations
     edited = messages[:2] + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "Hi"}]
     r = chat_turn(client, "chat3", edited)
     reused = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -124,12 +124,16 @@ def test_session_via_body_and_header_are_the_same(client):
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_stateless_request_reports_zero_cached(client):
-    messages = [{"role": "user", "content": "Hello"}]
-    for _ in range(2):
-        r = chat_turn(client, None, messages)
+def test_stateless_requests_share_prefixes_unless_cache_prompt_is_false(client):
+    messages = [{"role": "user", "content": "Numbers and symbols, stateless"}]
+    for _ in range(2):  # the no-cache baseline: nothing reused, nothing published
+        r = chat_turn(client, None, messages, cache_prompt=False)
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert "X-Session-ID" not in r.headers
+    chat_turn(client, None, messages)
+    r = chat_turn(client, None, messages)  # no session, but the tenant's prefix cache is shared
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
 
 
 def test_prompt_cache_key_bucket_reuses_without_locking(client):

@@ -73,5 +73,4 @@ def test_busy_bucket_never_locks(live):
         next(lines)
         quick = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "prompt_cache_key": "b2"}
         second = httpx.post(base + "/v1/completions", json=quick)
-        assert second.status_code == 200  # the bucket is taken: this request runs without it, no 409
-        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second.status_code == 200  # the bucket is taken: this request still runs, no 409

@@ -1,0 +1,248 @@
+"""The batching engine: one thread per model, one packed forward pass per step over every
+running sequence, K/V in a paged pool shared by prefix. Admission reserves the blocks a
+request can ever need (prompt + max_tokens), so a running stream is never preempted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.batch_step import PagedSequence, layout, plan, record, run_forward
+from server.engine.block_manager import BlockManager
+from server.engine.generate import ForwardCounter
+from server.engine.handle import RequestHandle
+from server.engine.kv_cache import bytes_per_token
+from server.engine.kv_store import KVStore
+from server.engine.paged_attention import KVPool, install
+from server.engine.registry import LoadedModel
+from server.engine.types import EngineError, EngineStopped, Failed, Finished, GenerationRequest, SessionKey
+
+log = logging.getLogger("kvserve.engine")
+IDLE_TICK_S = 1.0
+
+
+class QueueFull(EngineError):
+    code = "server_overloaded"
+
+
+class TooLarge(EngineError):
+    code = "context_length_exceeded"
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    budget_bytes: int
+    block_size: int = 16
+    max_batch_tokens: int = 256
+    max_queue: int = 64
+    is_prefix_caching: bool = True
+
+
+@dataclass(slots=True)
+class StepRecord:
+    decode: list[str]  # request ids that fed one decode token
+    prefill: list[tuple[str, int]]  # (request id, chunk length)
+
+
+class BatchEngine:
+    def __init__(self, loaded: LoadedModel, store: KVStore, config: PoolConfig) -> None:
+        self.loaded, self.model_id, self.store, self.config = loaded, loaded.spec.id, store, config
+        self.counter = ForwardCounter()
+        text = loaded.model.config.get_text_config(decoder=True)
+        self.block_bytes = bytes_per_token(loaded.model.config, loaded.dtype) * config.block_size
+        num_blocks = max(1, config.budget_bytes // self.block_bytes)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.pool = KVPool(
+            text.num_hidden_layers, num_kv_heads, head_dim, num_blocks, config.block_size, loaded.dtype, loaded.device
+        )
+        install(loaded.model)
+        self.step_log: deque[StepRecord] = deque(maxlen=4096)
+        self.max_batch_seen = 0
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[PagedSequence] = deque()
+        self._running: list[PagedSequence] = []
+        self._is_stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.model_id}", daemon=True)
+        log.info(
+            "model %s: paged K/V pool of %d blocks x %d tokens (%.0f MiB)",
+            self.model_id,
+            num_blocks,
+            config.block_size,
+            self.pool.nbytes / 2**20,
+        )
+
+    # -- event loop side ----------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        if self._is_stopping:
+            raise EngineStopped("the server is shutting down")
+        num_tokens = len(request.prompt_ids) + request.params.max_tokens
+        if -(-num_tokens // self.config.block_size) > self.blocks.num_blocks:
+            raise TooLarge(f"{num_tokens} tokens need more K/V memory than the pool holds")
+        if self._inbox.qsize() + len(self._waiting) >= self.config.max_queue:
+            raise QueueFull(f"{self.config.max_queue} requests are already waiting; retry shortly")
+        entry = self.store.acquire(request.session, self.model_id) if request.session else None
+        handle = RequestHandle(request.request_id, asyncio.get_running_loop())
+        self._inbox.put((request, entry, handle))
+        return handle
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._is_stopping = True
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._running) + len(self._waiting)
+
+    def residency(self, key: SessionKey, transcript_ids: list[int]) -> tuple[int, int]:
+        """(tokens of a session's transcript still cached in the pool, bytes of the blocks holding them)."""
+        num_tokens, num_blocks = self.blocks.cached_prefix(key.tenant, transcript_ids)
+        return num_tokens, num_blocks * self.block_bytes
+
+    # -- engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._is_stopping:
+            self._receive(block=not self._running and not self._waiting)
+            self._drop_cancelled()
+            self._admit()
+            if self._running:
+                self._step()
+        for seq in list(self._running) + list(self._waiting):
+            self._finish(seq, Failed("shutting_down", "the server is shutting down"), is_complete=False)
+
+    def _receive(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=IDLE_TICK_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            if block:
+                self.store.expire()
+            return
+        while item is not None:
+            try:
+                self._waiting.append(PagedSequence(*item, self.loaded))
+            except Exception:
+                log.exception("request %s could not start", item[0].request_id)
+                if item[1] is not None:
+                    self.store.release(item[1], None, [], None)
+                item[2].push(Failed("internal_error", "the request could not start"))
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        for seq in list(self._running) + list(self._waiting):
+            if seq.handle.is_cancelled:
+                self._finish(seq, Failed("cancelled", "the client went away"), is_complete=False)
+            elif seq.is_past_deadline():
+                message = f"request exceeded its time limit of {seq.request.timeout_s:g} s"
+                self._finish(seq, Failed("request_timeout", message), is_complete=False)
+
+    def _admit(self) -> None:
+        """First come, first served: the head of the queue waits until its blocks can be reserved."""
+        with self.blocks.lock:
+            while self._waiting and self._try_reserve(self._waiting[0]):
+                self._running.append(self._waiting.popleft())
+
+    def _try_reserve(self, seq: PagedSequence) -> bool:
+        prompt, bs = seq.request.prompt_ids, self.config.block_size
+        use_cache = self.config.is_prefix_caching and seq.use_cache
+        match = self.blocks.match(seq.salt, prompt, len(prompt) - 1) if use_cache else None
+        shared = match.shared if match else []
+        need = -(-(len(prompt) + seq.request.params.max_tokens) // bs) - len(shared)
+        if not self.blocks.can_reserve(need, shared):
+            return False
+        self.blocks.reserve(need)
+        self.blocks.pin(shared)
+        seq.blocks, seq.num_reserved = list(shared), need
+        if match and match.partial is not None:
+            block = self.blocks.allocate(shared[-1].block_id + 1 if shared else None)
+            seq.num_reserved -= 1
+            self.pool.copy_slots(match.partial.block_id, block.block_id, match.num_partial)
+            parent = shared[-1].hash if shared else self.blocks.root(seq.salt)
+            start = len(shared) * bs
+            self.blocks.record(block, parent, prompt[start : start + match.num_partial])
+            seq.blocks.append(block)
+        seq.num_cached = match.num_tokens if match else 0
+        seq.fed_ids = prompt[: seq.num_cached]
+        return True
+
+    def _step(self) -> None:
+        rows = plan(self._running, self.config.max_batch_tokens)
+        self.step_log.append(
+            StepRecord(
+                [r.seq.request.request_id for r in rows if r.seq.is_prefilled],
+                [(r.seq.request.request_id, len(r.token_ids)) for r in rows if not r.seq.is_prefilled],
+            )
+        )
+        self.max_batch_seen = max(self.max_batch_seen, len(rows))
+        try:
+            with self.blocks.lock:
+                meta, input_ids, position_ids, sampled_at = layout(rows, self.blocks, self.pool)
+            logits = run_forward(self.loaded.model, meta, input_ids, position_ids, sampled_at)  # [R, V]
+        except Exception as exc:
+            is_oom = isinstance(exc, torch.OutOfMemoryError)
+            log.exception("forward pass failed for %d requests", len(rows))
+            failed = (
+                Failed("out_of_memory", "the device ran out of memory")
+                if is_oom
+                else Failed("internal_error", "the forward pass failed")
+            )
+            for row in rows:
+                self._finish(row.seq, failed, is_complete=False)
+            return
+        self._count(rows)
+        with self.blocks.lock:
+            record(rows, self.blocks, self.config.is_prefix_caching)
+        sampled = [row for row in rows if row.is_sampled]
+        for index, row in enumerate(sampled):
+            self._sample(row.seq, logits[index])
+
+    def _count(self, rows) -> None:
+        for row in rows:
+            if row.seq.is_prefilled:
+                self.counter.num_decode_tokens += len(row.token_ids)
+            else:
+                self.counter.num_prefill_tokens += len(row.token_ids)
+        self.counter.num_forwards += 1
+
+    def _sample(self, seq: PagedSequence, logits: torch.Tensor) -> None:
+        try:
+            delta = seq.accept(*seq.sampler.sample(logits))
+        except Exception:
+            log.exception("request %s failed while sampling", seq.request.request_id)
+            self._finish(seq, Failed("internal_error", "sampling or detokenizing failed"), is_complete=False)
+            return
+        if delta is not None:
+            seq.handle.push(delta)
+        if seq.finish_reason is not None:
+            self._finish(seq, Finished(seq.finish_reason, seq.usage()), is_complete=True)
+
+    def _finish(self, seq: PagedSequence, event: Finished | Failed, is_complete: bool) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        with self.blocks.lock:
+            keep = self.config.is_prefix_caching and seq.use_cache
+            self.blocks.release(seq.blocks, keep_contents=keep)
+            self.blocks.unreserve(seq.num_reserved)
+            seq.blocks, seq.num_reserved = [], 0
+        if seq.entry is not None:
+            self.store.release(seq.entry, None, [], seq.transcript_ids() if is_complete else None)
+        seq.handle.push(event)
+        log.debug("request %s done: %s in %.3f s", seq.request.request_id, event, time.monotonic() - seq.started)
