@@ -46,6 +46,7 @@ format: install
 
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/multiturn.py --spawn
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/concurrency.py
 
 clean:
 	rm -rf $(VENV) models/cache .pytest_cache .ruff_cache

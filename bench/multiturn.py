@@ -104,6 +104,8 @@ def conversation(client, base, model, mode, replies, args) -> tuple[list[dict], 
         }
         if args.ignore_eos:
             body["ignore_eos"] = True
+        if mode == "baseline":
+            body.update(json.loads(args.no_cache_body))  # bypass every cache, prefix sharing included
         headers = {"X-Session-ID": session} if mode == "session" else {}
         row = stream_request(client, base + "/chat/completions", body, headers)
         row["turn"] = turn + 1
@@ -118,7 +120,7 @@ def conversation(client, base, model, mode, replies, args) -> tuple[list[dict], 
     return rows, messages
 
 
-def fresh_new_tokens(client, base, model, session_rows) -> list[dict]:
+def fresh_new_tokens(client, base, model, session_rows, no_cache_body: dict) -> list[dict]:
     """TTFT of a stateless prompt of as many tokens as each session turn computed: the floor a cache can reach.
 
     The prompt is token ids in [1000, 21000): their count, not their content, sets the cost.
@@ -133,6 +135,7 @@ def fresh_new_tokens(client, base, model, session_rows) -> list[dict]:
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **no_cache_body,
         }
         rows.append(stream_request(client, base + "/completions", body))
     return rows
@@ -148,16 +151,22 @@ def main() -> int:
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--hf-model-dir", help="transformers dir for the in-process generate() comparison")
     parser.add_argument("--out", default=str(ROOT / "docs"))
+    parser.add_argument(
+        "--no-cache-body", default='{"cache_prompt": false}', help="JSON merged into baseline requests to bypass caches"
+    )
+    parser.add_argument("--server-args", default="", help="extra `kvserve serve` flags with --spawn")
     args = parser.parse_args()
     proc = None
     if args.spawn:
-        proc, args.base_url = spawn_server()
+        proc, args.base_url = spawn_server(args.server_args.split())
     try:
         with httpx.Client(timeout=600) as client:
             session_rows, messages = conversation(client, args.base_url, args.model, "session", None, args)
             replies = [m["content"] for m in messages if m["role"] == "assistant"]
             baseline_rows, _ = conversation(client, args.base_url, args.model, "baseline", replies, args)
-            fresh_rows = fresh_new_tokens(client, args.base_url, args.model, session_rows)
+            fresh_rows = fresh_new_tokens(
+                client, args.base_url, args.model, session_rows, json.loads(args.no_cache_body)
+            )
     finally:
         if proc is not None:
             proc.terminate()

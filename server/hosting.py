@@ -73,6 +73,8 @@ class ModelHost:
 
     def _engine(self, loaded):
         reason = unpageable_reason(loaded.model, loaded.max_context)
+        if self.settings.engine == "per-session":
+            reason = "the per-session engine was asked for"
         if reason is not None:
             log.warning(
                 "model %s cannot use the paged K/V pool (%s): serving it one sequence per forward pass "
