@@ -123,6 +123,19 @@ class BatchEngine:
                 self._step()
         for seq in list(self._running) + list(self._waiting):
             self._finish(seq, Failed("shutting_down", "the server is shutting down"), is_complete=False)
+        while True:  # requests that arrived but were never looked at
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                self._reject(item, Failed("shutting_down", "the server is shutting down"))
+
+    def _reject(self, item: tuple, event: Failed) -> None:
+        _request, entry, handle = item
+        if entry is not None:
+            self.store.release(entry, None, [], None)
+        handle.push(event)
 
     def _receive(self, block: bool) -> None:
         try:
@@ -136,9 +149,7 @@ class BatchEngine:
                 self._waiting.append(PagedSequence(*item, self.loaded))
             except Exception:
                 log.exception("request %s could not start", item[0].request_id)
-                if item[1] is not None:
-                    self.store.release(item[1], None, [], None)
-                item[2].push(Failed("internal_error", "the request could not start"))
+                self._reject(item, Failed("internal_error", "the request could not start"))
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

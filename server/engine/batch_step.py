@@ -38,9 +38,14 @@ class Row:
     is_sampled: bool  # the row's last position yields the next token
 
 
+SOLO_PREFILL_FACTOR = 4  # with no stream to keep flowing, a prefill chunk may be this much larger
+
+
 def plan(running: list[PagedSequence], max_tokens: int) -> list[Row]:
     rows = [Row(s, s.next_input(1), True) for s in running if s.is_prefilled]
-    budget = max_tokens - len(rows)
+    # The per-step budget keeps running streams flowing during a long prefill. With none running it
+    # would only add forward passes (each re-reads every weight): measured ~25% slower long prompts.
+    budget = max_tokens - len(rows) if rows else max_tokens * SOLO_PREFILL_FACTOR
     for seq in running:
         if seq.is_prefilled or budget <= 0:
             continue
