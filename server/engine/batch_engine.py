@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -19,6 +18,7 @@ from server.engine.batch_step import PagedSequence, layout, plan, record, run_fo
 from server.engine.block_manager import BlockManager
 from server.engine.generate import ForwardCounter
 from server.engine.handle import RequestHandle
+from server.engine.inbox import SHUTTING_DOWN, Inbox
 from server.engine.kv_cache import bytes_per_token
 from server.engine.kv_store import KVStore
 from server.engine.paged_attention import KVPool, install
@@ -26,7 +26,6 @@ from server.engine.registry import LoadedModel
 from server.engine.types import EngineError, EngineStopped, Failed, Finished, GenerationRequest, SessionKey
 
 log = logging.getLogger("kvserve.engine")
-IDLE_TICK_S = 1.0
 
 
 class QueueFull(EngineError):
@@ -68,7 +67,7 @@ class BatchEngine:
         install(loaded.model)
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
         self.max_batch_seen = 0
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox = Inbox(store)
         self._waiting: deque[PagedSequence] = deque()
         self._running: list[PagedSequence] = []
         self._is_stopping = False
@@ -100,7 +99,7 @@ class BatchEngine:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._is_stopping = True
-        self._inbox.put(None)
+        self._inbox.wake()
         self._thread.join(timeout_s)
 
     @property
@@ -116,44 +115,15 @@ class BatchEngine:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while not self._is_stopping:
-            self._receive(block=not self._running and not self._waiting)
+            is_idle = not self._running and not self._waiting
+            self._waiting += self._inbox.take(is_idle, lambda *item: PagedSequence(*item, self.loaded))
             self._drop_cancelled()
             self._admit()
             if self._running:
                 self._step()
         for seq in list(self._running) + list(self._waiting):
-            self._finish(seq, Failed("shutting_down", "the server is shutting down"), is_complete=False)
-        while True:  # requests that arrived but were never looked at
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                self._reject(item, Failed("shutting_down", "the server is shutting down"))
-
-    def _reject(self, item: tuple, event: Failed) -> None:
-        _request, entry, handle = item
-        if entry is not None:
-            self.store.release(entry, None, [], None)
-        handle.push(event)
-
-    def _receive(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=IDLE_TICK_S) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            if block:
-                self.store.expire()
-            return
-        while item is not None:
-            try:
-                self._waiting.append(PagedSequence(*item, self.loaded))
-            except Exception:
-                log.exception("request %s could not start", item[0].request_id)
-                self._reject(item, Failed("internal_error", "the request could not start"))
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+            self._finish(seq, SHUTTING_DOWN, is_complete=False)
+        self._inbox.reject_all()
 
     def _drop_cancelled(self) -> None:
         for seq in list(self._running) + list(self._waiting):

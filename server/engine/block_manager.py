@@ -16,6 +16,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from server.engine.kv_store import common_prefix_len
+
 
 @dataclass(slots=True, eq=False)
 class Block:
@@ -88,7 +90,7 @@ class BlockManager:
         want = token_ids[start : min(start + bs, max_tokens)]
         best, best_len = None, 0
         for block in self._children.get(parent, {}).values():
-            n = _common_prefix(block.token_ids, want)
+            n = common_prefix_len(block.token_ids, want)
             if n > best_len:
                 best, best_len = block, n
         return Match(shared, best, best_len)
@@ -172,11 +174,3 @@ class BlockManager:
         with self.lock:
             match = self.match(salt, token_ids, len(token_ids))
             return match.num_tokens, len(match.shared) + (1 if match.partial is not None else 0)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

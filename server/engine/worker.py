@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
 
@@ -17,13 +16,13 @@ import torch
 
 from server.engine.generate import Forward, ForwardCounter
 from server.engine.handle import RequestHandle
+from server.engine.inbox import SHUTTING_DOWN, Inbox
 from server.engine.kv_store import Entry, KVStore
 from server.engine.registry import LoadedModel
 from server.engine.sequence import Sequence
 from server.engine.types import EngineStopped, Failed, Finished, GenerationRequest, TextDelta
 
 log = logging.getLogger("kvserve.engine")
-IDLE_TICK_S = 1.0  # how often an idle engine wakes to expire sessions
 CONSISTENT_FAILURES = ("cancelled", "request_timeout", "shutting_down")  # noticed between steps
 
 
@@ -34,7 +33,7 @@ class Engine:
         self.store = store
         self.counter = ForwardCounter()
         self._forward = Forward(loaded.model, self.counter)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox = Inbox(store)
         self._active: list[Sequence] = []
         self._is_stopping = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.model_id}", daemon=True)
@@ -54,7 +53,7 @@ class Engine:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._is_stopping = True
-        self._inbox.put(None)
+        self._inbox.wake()
         self._thread.join(timeout_s)
 
     @property
@@ -70,45 +69,12 @@ class Engine:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while not self._is_stopping:
-            self._admit(block=not self._active)
+            self._active += self._inbox.take(not self._active, lambda *item: Sequence(*item, self.loaded))
             for seq in list(self._active):
                 self._step(seq)
         for seq in list(self._active):
-            self._finish(seq, Failed("shutting_down", "the server is shutting down"), is_complete=False)
-        self._drain_inbox()
-
-    def _admit(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=IDLE_TICK_S) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            if block:
-                self.store.expire()
-            return
-        while item is not None:
-            try:
-                self._active.append(Sequence(*item, self.loaded))
-            except Exception:
-                log.exception("request %s could not start", item[0].request_id)
-                self._reject(item, Failed("internal_error", "the request could not start"))
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                self._reject(item, Failed("shutting_down", "the server is shutting down"))
-
-    def _reject(self, item: tuple, event: Failed) -> None:
-        _request, entry, handle = item
-        if entry is not None:
-            self.store.release(entry, None, [], None)
-        handle.push(event)
+            self._finish(seq, SHUTTING_DOWN, is_complete=False)
+        self._inbox.reject_all()
 
     def _step(self, seq: Sequence) -> None:
         try:
