@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from server.engine.registry import LoadedModel
 from server.engine.types import SamplingParams
 from server.errors import ApiError
@@ -23,7 +25,7 @@ def chat_ids(req: ChatCompletionRequest, loaded: LoadedModel) -> list[int]:
     tokenizer = loaded.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "invalid_parameter", f"model {loaded.spec.id!r} has no chat template", "messages")
-    messages = [{"role": _role(m.role), "content": m.text()} for m in req.messages]
+    messages = [_message(m) for m in req.messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's to fix
@@ -32,8 +34,12 @@ def chat_ids(req: ChatCompletionRequest, loaded: LoadedModel) -> list[int]:
     return _non_empty(tokenizer(text, add_special_tokens=False)["input_ids"], "messages")
 
 
-def _role(role: str) -> str:
-    return "system" if role == "developer" else role
+def _message(message) -> dict:
+    """As the chat template expects it; `name` is passed on for templates that render it."""
+    out = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
 
 
 def _non_empty(ids: list[int], param: str) -> list[int]:
@@ -82,7 +88,7 @@ def sampling_params(
 def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float]:
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit():
+        if not re.fullmatch(r"-?[0-9]{1,9}", key):
             raise ApiError(400, "invalid_parameter", "logit_bias keys must be token ids", "logit_bias")
         bias[int(key)] = value
     _token_ids(list(bias), vocab_size, "logit_bias")

@@ -90,7 +90,7 @@ class SamplingFields(_Unsupported):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | StopList | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
     ignore_eos: bool = False

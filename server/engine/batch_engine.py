@@ -117,10 +117,15 @@ class BatchEngine:
         while not self._is_stopping:
             is_idle = not self._running and not self._waiting
             self._waiting += self._inbox.take(is_idle, lambda *item: PagedSequence(*item, self.loaded))
-            self._drop_cancelled()
-            self._admit()
-            if self._running:
-                self._step()
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self._running:
+                    self._step()
+            except Exception:  # a bug in scheduling or bookkeeping: fail what runs, keep the engine alive
+                log.exception("engine step failed")
+                for seq in list(self._running):
+                    self._finish(seq, Failed("internal_error", "the engine failed this step"), is_complete=False)
         for seq in list(self._running) + list(self._waiting):
             self._finish(seq, SHUTTING_DOWN, is_complete=False)
         self._inbox.reject_all()
@@ -216,8 +221,10 @@ class BatchEngine:
     def _finish(self, seq: PagedSequence, event: Finished | Failed, is_complete: bool) -> None:
         if seq in self._running:
             self._running.remove(seq)
-        else:
+        elif seq in self._waiting:
             self._waiting.remove(seq)
+        else:
+            return  # already finished
         with self.blocks.lock:
             keep = self.config.is_prefix_caching and seq.use_cache
             self.blocks.release(seq.blocks, keep_contents=keep)

@@ -39,13 +39,14 @@ class Row:
 
 
 SOLO_PREFILL_FACTOR = 4  # with no stream to keep flowing, a prefill chunk may be this much larger
+MIN_PREFILL_CHUNK = 16  # however many streams decode, admitted prompts keep moving
 
 
 def plan(running: list[PagedSequence], max_tokens: int) -> list[Row]:
     rows = [Row(s, s.next_input(1), True) for s in running if s.is_prefilled]
     # The per-step budget keeps running streams flowing during a long prefill. With none running it
     # would only add forward passes (each re-reads every weight): measured ~25% slower long prompts.
-    budget = max_tokens - len(rows) if rows else max_tokens * SOLO_PREFILL_FACTOR
+    budget = max(max_tokens - len(rows), MIN_PREFILL_CHUNK) if rows else max_tokens * SOLO_PREFILL_FACTOR
     for seq in running:
         if seq.is_prefilled or budget <= 0:
             continue

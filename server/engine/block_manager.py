@@ -81,9 +81,10 @@ class BlockManager:
         bs, parent, shared = self.block_size, self.root(salt), []
         while len(shared) * bs + bs <= max_tokens:
             start = len(shared) * bs
-            block = self._by_hash.get(chain_hash(parent, token_ids[start : start + bs]))
-            if block is None:
-                break
+            tokens = token_ids[start : start + bs]
+            block = self._by_hash.get(chain_hash(parent, tokens))
+            if block is None or block.token_ids != tokens or block.parent_hash != parent:
+                break  # a miss, or a hash collision: never serve K/V computed for other tokens
             shared.append(block)
             parent = block.hash
         start = len(shared) * bs
@@ -158,6 +159,8 @@ class BlockManager:
     def _push_free(self, block_id: int) -> None:
         self._free.add(block_id)
         heapq.heappush(self._free_heap, block_id)
+        if len(self._free_heap) > 2 * self.num_blocks:  # ids taken as "preferred" leave stale entries behind
+            self._free_heap = sorted(self._free)
 
     def _forget(self, block: Block) -> None:
         if block.hash is not None and self._by_hash.get(block.hash) is block:

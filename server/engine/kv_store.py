@@ -118,13 +118,21 @@ class KVStore:
         cache: Any,
         cached_ids: list[int],
         transcript_ids: list[int] | None,
+        keep_cache: bool = False,
     ) -> None:
-        """Give the entry back. `transcript_ids` is the new transcript for a completed turn, None otherwise."""
+        """Give the entry back. `transcript_ids` is the new transcript for a completed turn, None otherwise.
+
+        `keep_cache`: the turn never took the entry's cache (it ended before its prefill): leave it.
+        """
         if cache is not None:
-            shrink_cache(cache)
+            try:
+                shrink_cache(cache)
+            except Exception:  # e.g. out of memory while copying: dropping the cache is always safe
+                cache, cached_ids = None, []
         nbytes = cache_nbytes(cache) if cache is not None else 0
         with self._lock:
-            entry.cache, entry.cached_ids, entry.nbytes = cache, list(cached_ids), nbytes
+            if not keep_cache:
+                entry.cache, entry.cached_ids, entry.nbytes = cache, list(cached_ids), nbytes
             if transcript_ids is not None:
                 entry.transcript_ids = list(transcript_ids)
                 entry.num_turns += 1

@@ -27,6 +27,7 @@ class Sequence:
         self.generated_ids: list[int] = []
         self.finish_reason: str | None = None
         self.is_prefilled = False
+        self.has_taken_cache = False  # the session's cache moved into this sequence (per-session engine)
         self._pending_ids: list[int] = []
         self._pending_logprobs: list[TokenLogprob] = []
         params = request.params
@@ -44,6 +45,7 @@ class Sequence:
         prompt = self.request.prompt_ids
         is_reusing = self.entry is not None and self.request.use_cache
         cache, num_cached = store.take_cache(self.entry, prompt) if is_reusing else (None, 0)
+        self.has_taken_cache = is_reusing
         if cache is not None and not crop_cache(cache, num_cached):
             cache, num_cached = None, 0  # a cache that cannot be cut back is recomputed
         if cache is None:

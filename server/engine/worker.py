@@ -94,6 +94,16 @@ class Engine:
             log.exception("request %s failed", seq.request.request_id)
             self._finish(seq, Failed("internal_error", "generation failed inside the engine"), is_complete=False)
 
+    def _release(self, seq: Sequence, entry: Entry, event: Finished | Failed, is_complete: bool) -> None:
+        transcript = seq.transcript_ids() if is_complete else None
+        if not seq.has_taken_cache:
+            self.store.release(entry, None, [], transcript, keep_cache=True)
+            return
+        # A forward that raised may have written some layers and not others: never keep that cache.
+        is_consistent = is_complete or event.code in CONSISTENT_FAILURES
+        cache = seq.cache if is_consistent else None
+        self.store.release(entry, cache, seq.fed_ids if is_consistent else [], transcript)
+
     def _emit(self, seq: Sequence, delta: TextDelta | None) -> None:
         if delta is not None:
             seq.handle.push(delta)
@@ -101,14 +111,13 @@ class Engine:
             self._finish(seq, Finished(seq.finish_reason, seq.usage()), is_complete=True)
 
     def _finish(self, seq: Sequence, event: Finished | Failed, is_complete: bool) -> None:
+        if seq not in self._active:
+            return  # already finished (a failure while finishing lands here again)
         self._active.remove(seq)
-        entry: Entry | None = seq.entry
-        if entry is not None:
-            transcript = seq.transcript_ids() if is_complete else None
-            # A forward that raised may have written some layers and not others: never keep that cache.
-            is_consistent = seq.request.use_cache and (is_complete or event.code in CONSISTENT_FAILURES)
-            cache = seq.cache if is_consistent else None
-            self.store.release(entry, cache, seq.fed_ids if is_consistent else [], transcript)
-        seq.cache = None
-        seq.handle.push(event)
+        try:
+            if seq.entry is not None:
+                self._release(seq, seq.entry, event, is_complete)
+        finally:
+            seq.cache = None
+            seq.handle.push(event)
         log.debug("request %s done: %s in %.3f s", seq.request.request_id, event, time.monotonic() - seq.started)

@@ -47,6 +47,9 @@ def assert_error(r, status: int, code: str, param: str | None = "__any__") -> di
         ({"model": "tiny", "messages": MSG, "stop": ["x"] * 17}, "invalid_parameter", "stop"),
         ({"model": "tiny", "messages": MSG, "logit_bias": {"99999": 1}}, "invalid_parameter", "logit_bias"),
         ({"model": "tiny", "messages": MSG, "top_logprobs": 2}, "invalid_parameter", None),
+        ({"model": "tiny", "messages": MSG, "seed": 2**64}, "invalid_parameter", "seed"),
+        ({"model": "tiny", "messages": MSG, "logit_bias": {"--5": 1}}, "invalid_parameter", "logit_bias"),
+        ({"model": "tiny", "messages": MSG, "logit_bias": {"\u00b2": 1}}, "invalid_parameter", "logit_bias"),
     ],
 )
 def test_invalid_chat_requests_are_400_never_422(client, body, code, param):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from server.engine.kv_store import KVStore
 from server.engine.sampler import Sampler
@@ -160,3 +161,18 @@ async def test_a_failing_request_fails_alone(engine, tiny, monkeypatch):
     info = engine.store.info(SessionKey("default", "f"))
     assert info.num_turns == 0 and info.num_cached_tokens == 0 and not info.is_in_use
     assert (await run(engine, prompt, session="f", max_tokens=2)).usage is not None  # the engine keeps serving
+
+
+async def test_a_failure_while_finishing_does_not_stop_the_engine(engine, tiny, monkeypatch):
+    import server.engine.kv_store as kv_store_module
+
+    def broken(cache):
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(kv_store_module, "shrink_cache", broken)
+    prompt = ids(tiny, "Hello world")
+    first = await run(engine, prompt, session="oom", max_tokens=3, ignore_eos=True)
+    assert first.usage.completion_tokens == 3  # the turn completed; its cache was dropped, not the engine
+    info = engine.store.info(SessionKey("default", "oom"))
+    assert info.num_turns == 1 and info.num_cached_tokens == 0 and not info.is_in_use
+    assert (await run(engine, prompt, session="oom", max_tokens=2)).usage is not None
