@@ -5,7 +5,6 @@ request can ever need (prompt + max_tokens), so a running stream is never preemp
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -23,7 +22,7 @@ from server.engine.kv_cache import bytes_per_token
 from server.engine.kv_store import KVStore
 from server.engine.paged_attention import KVPool, install
 from server.engine.registry import LoadedModel
-from server.engine.types import EngineError, EngineStopped, Failed, Finished, GenerationRequest, SessionKey
+from server.engine.types import EngineError, Failed, Finished, GenerationRequest, SessionKey
 
 log = logging.getLogger("kvserve.engine")
 
@@ -70,7 +69,6 @@ class BatchEngine:
         self._inbox = Inbox(store)
         self._waiting: deque[PagedSequence] = deque()
         self._running: list[PagedSequence] = []
-        self._is_stopping = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.model_id}", daemon=True)
         log.info(
             "model %s: paged K/V pool of %d blocks x %d tokens (%.0f MiB)",
@@ -85,21 +83,15 @@ class BatchEngine:
         self._thread.start()
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        if self._is_stopping:
-            raise EngineStopped("the server is shutting down")
         num_tokens = len(request.prompt_ids) + request.params.max_tokens
         if -(-num_tokens // self.config.block_size) > self.blocks.num_blocks:
             raise TooLarge(f"{num_tokens} tokens need more K/V memory than the pool holds")
         if self._inbox.qsize() + len(self._waiting) >= self.config.max_queue:
             raise QueueFull(f"{self.config.max_queue} requests are already waiting; retry shortly")
-        entry = self.store.acquire(request.session, self.model_id) if request.session else None
-        handle = RequestHandle(request.request_id, asyncio.get_running_loop())
-        self._inbox.put((request, entry, handle))
-        return handle
+        return self._inbox.submit(request, self.model_id)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._is_stopping = True
-        self._inbox.wake()
+        self._inbox.close()
         self._thread.join(timeout_s)
 
     @property
@@ -114,7 +106,7 @@ class BatchEngine:
     # -- engine thread ------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        while not self._is_stopping:
+        while not self._inbox.is_closed:
             is_idle = not self._running and not self._waiting
             self._waiting += self._inbox.take(is_idle, lambda *item: PagedSequence(*item, self.loaded))
             try:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 from collections.abc import Callable
 
+from server.engine.handle import RequestHandle
 from server.engine.kv_store import KVStore
-from server.engine.types import Failed
+from server.engine.types import EngineStopped, Failed, GenerationRequest
 
 log = logging.getLogger("kvserve.engine")
 IDLE_TICK_S = 1.0  # how often an idle engine wakes to expire sessions
@@ -18,13 +20,20 @@ class Inbox:
     def __init__(self, store: KVStore) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._store = store
+        self.is_closed = False
 
-    def put(self, item: tuple) -> None:
-        """(request, session entry or None, handle): the entry is already marked in use."""
-        self._queue.put(item)
+    def submit(self, request: GenerationRequest, model_id: str) -> RequestHandle:
+        """On the event loop: lock the request's session (SessionBusy / SessionModelMismatch raise at once)."""
+        if self.is_closed:
+            raise EngineStopped("the server is shutting down")
+        entry = self._store.acquire(request.session, model_id) if request.session else None
+        handle = RequestHandle(request.request_id, asyncio.get_running_loop())
+        self._queue.put((request, entry, handle))
+        return handle
 
-    def wake(self) -> None:
-        self._queue.put(None)
+    def close(self) -> None:
+        self.is_closed = True
+        self._queue.put(None)  # wakes the engine thread
 
     def qsize(self) -> int:
         return self._queue.qsize()

@@ -7,7 +7,6 @@ forward pass. Batching many sequences into one forward is a later step (see docs
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -20,7 +19,7 @@ from server.engine.inbox import SHUTTING_DOWN, Inbox
 from server.engine.kv_store import Entry, KVStore
 from server.engine.registry import LoadedModel
 from server.engine.sequence import Sequence
-from server.engine.types import EngineStopped, Failed, Finished, GenerationRequest, TextDelta
+from server.engine.types import Failed, Finished, GenerationRequest, TextDelta
 
 log = logging.getLogger("kvserve.engine")
 CONSISTENT_FAILURES = ("cancelled", "request_timeout", "shutting_down")  # noticed between steps
@@ -35,7 +34,6 @@ class Engine:
         self._forward = Forward(loaded.model, self.counter)
         self._inbox = Inbox(store)
         self._active: list[Sequence] = []
-        self._is_stopping = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.model_id}", daemon=True)
 
     # -- event loop side ----------------------------------------------------------
@@ -44,16 +42,10 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Admit a request. Raises SessionBusy / SessionModelMismatch at once, before any work."""
-        if self._is_stopping:
-            raise EngineStopped("the server is shutting down")
-        entry = self.store.acquire(request.session, self.model_id) if request.session else None
-        handle = RequestHandle(request.request_id, asyncio.get_running_loop())
-        self._inbox.put((request, entry, handle))
-        return handle
+        return self._inbox.submit(request, self.model_id)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._is_stopping = True
-        self._inbox.wake()
+        self._inbox.close()
         self._thread.join(timeout_s)
 
     @property
@@ -68,7 +60,7 @@ class Engine:
     # -- engine thread ------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        while not self._is_stopping:
+        while not self._inbox.is_closed:
             self._active += self._inbox.take(not self._active, lambda *item: Sequence(*item, self.loaded))
             for seq in list(self._active):
                 self._step(seq)
