@@ -20,7 +20,9 @@ class Settings(BaseSettings):
     model: str | None = Field(None, description="serve this path or hub id instead of models_file")
     cache_dir: Path = Field(Path("models/cache"), description="converted weights (GGUF -> safetensors)")
     kv_budget_bytes: int | None = Field(
-        None, description="bytes of K/V kept for sessions; default: see default_kv_budget()"
+        None,
+        description="bytes of K/V per model (the paged pool's size); default: a quarter of RAM up to 4 GiB on CPU, "
+        "half the free device memory on CUDA",
     )
     session_ttl_s: float = Field(3600.0, gt=0, description="idle sessions are forgotten after this")
     engine: Literal["auto", "per-session"] = Field(
