@@ -17,10 +17,6 @@ class ForwardCounter:
         self.num_decode_tokens = 0
         self.num_forwards = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
 
 def cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` in 5.2x; use what this model's forward takes."""

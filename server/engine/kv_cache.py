@@ -93,10 +93,6 @@ def is_croppable(cache: DynamicCache) -> bool:
     return all(isinstance(layer, GrowableLayer) for layer in cache.layers)
 
 
-def cache_length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
-
-
 def crop_cache(cache: DynamicCache, num_tokens: int) -> bool:
     """Keep the first `num_tokens` positions. False when this cache cannot be cropped (sliding layers)."""
     if num_tokens >= cache.get_seq_length():
