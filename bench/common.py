@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
@@ -18,6 +19,21 @@ HEADER = (
     "# Benchmarks\n\nEach section is written by its script in bench/, measured side by side in one run on a "
     "shared, noisy 2-core machine: read the ratios, not the absolute numbers.\n"
 )
+
+
+def sse_event(line: str) -> dict | None:
+    """One streamed JSON event (None for [DONE], pings, blank lines); an error event raises."""
+    if not line.startswith("data: {"):
+        return None
+    event = json.loads(line[6:])
+    if "error" in event:
+        raise RuntimeError(event["error"])
+    return event
+
+
+def event_text(event: dict) -> str:
+    """The text an OpenAI chat or completion chunk carries."""
+    return "".join(c.get("delta", {}).get("content") or c.get("text") or "" for c in event.get("choices", []))
 
 
 def spawn_server(extra_args: list[str] | None = None, env: dict | None = None) -> tuple[subprocess.Popen, str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine_line, replace_section, spawn_server  # noqa: E402
+from common import ROOT, event_text, machine_line, replace_section, spawn_server, sse_event  # noqa: E402
 from multiturn import system_prompt  # noqa: E402
 
 NO_CACHE = {"cache_prompt": False}
@@ -37,17 +37,14 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict, headers=None)
     async with client.stream("POST", path, json=body, headers=headers or {}) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
+            event = sse_event(line)
+            if event is None:
                 continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
             usage = event.get("usage") or usage
-            for choice in event.get("choices", []):
-                piece = choice.get("delta", {}).get("content") or choice.get("text") or ""
-                if piece:
-                    stamps.append(time.perf_counter())
-                    text += piece
+            piece = event_text(event)
+            if piece:
+                stamps.append(time.perf_counter())
+                text += piece
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else float("nan")
     return {

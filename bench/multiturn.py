@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hf_decode_rate, render_report, spawn_server  # noqa: E402
+from common import event_text, hf_decode_rate, render_report, spawn_server, sse_event  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["rivers", "mountains", "deserts", "forests", "oceans", "islands", "glaciers", "volcanoes"]
@@ -61,20 +61,16 @@ def stream_request(client: httpx.Client, url: str, body: dict, headers: dict | N
     with client.stream("POST", url, json=body, headers=headers or {}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            event = sse_event(line)
+            if event is None:
                 continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
             usage = event.get("usage") or usage
-            for choice in event.get("choices", []):
-                piece = choice.get("delta", {}).get("content") or choice.get("text") or ""
-                if piece:
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    text += piece
-                    num_chunks += 1
+            piece = event_text(event)
+            if piece:
+                last = time.perf_counter()
+                first = first or last
+                text += piece
+                num_chunks += 1
     completion = usage["completion_tokens"] if usage else num_chunks
     decode_s = (last - first) if first and last and last > first else float("nan")
     return {

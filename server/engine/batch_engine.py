@@ -108,7 +108,7 @@ class BatchEngine:
         torch.set_grad_enabled(False)
         while not self._inbox.is_closed:
             is_idle = not self._running and not self._waiting
-            self._waiting += self._inbox.take(is_idle, lambda *item: PagedSequence(*item, self.loaded))
+            self._waiting += self._inbox.take(is_idle, self._new_sequence)
             try:
                 self._drop_cancelled()
                 self._admit()
@@ -121,6 +121,9 @@ class BatchEngine:
         for seq in list(self._running) + list(self._waiting):
             self._finish(seq, SHUTTING_DOWN, is_complete=False)
         self._inbox.reject_all()
+
+    def _new_sequence(self, request, entry, handle) -> PagedSequence:
+        return PagedSequence(request, entry, handle, self.loaded, is_prefix_caching=self.config.is_prefix_caching)
 
     def _drop_cancelled(self) -> None:
         for seq in list(self._running) + list(self._waiting):
@@ -138,8 +141,7 @@ class BatchEngine:
 
     def _try_reserve(self, seq: PagedSequence) -> bool:
         prompt, bs = seq.request.prompt_ids, self.config.block_size
-        use_cache = self.config.is_prefix_caching and seq.use_cache
-        match = self.blocks.match(seq.salt, prompt, len(prompt) - 1) if use_cache else None
+        match = self.blocks.match(seq.salt, prompt, len(prompt) - 1) if seq.use_cache else None
         shared = match.shared if match else []
         need = -(-(len(prompt) + seq.request.params.max_tokens) // bs) - len(shared)
         if not self.blocks.can_reserve(need, shared):
@@ -185,7 +187,7 @@ class BatchEngine:
             return
         self._count(rows)
         with self.blocks.lock:
-            record(rows, self.blocks, self.config.is_prefix_caching)
+            record(rows, self.blocks)
         sampled = [row for row in rows if row.is_sampled]
         for index, row in enumerate(sampled):
             self._sample(row.seq, logits[index])
@@ -218,8 +220,7 @@ class BatchEngine:
         else:
             return  # already finished
         with self.blocks.lock:
-            keep = self.config.is_prefix_caching and seq.use_cache
-            self.blocks.release(seq.blocks, keep_contents=keep)
+            self.blocks.release(seq.blocks, keep_contents=seq.use_cache)
             self.blocks.unreserve(seq.num_reserved)
             seq.blocks, seq.num_reserved = [], 0
         if seq.entry is not None:

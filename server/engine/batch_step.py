@@ -18,12 +18,13 @@ from server.engine.sequence import Sequence
 class PagedSequence(Sequence):
     """A Sequence whose K/V lives in pool blocks (`fed_ids[i]` sits in slot i of `blocks`)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, is_prefix_caching: bool = True) -> None:
+        super().__init__(*args)
         self.blocks: list = []
         self.num_reserved = 0  # blocks promised at admission, not allocated yet
         self.salt = self.request.tenant
-        self.use_cache = self.request.use_cache
+        # Reuse and publish K/V only when both the server and the request allow it.
+        self.use_cache = self.request.use_cache and is_prefix_caching
 
     def next_input(self, budget: int) -> list[int]:
         if self.is_prefilled:
@@ -106,16 +107,16 @@ def run_forward(model, meta: StepMeta, input_ids, position_ids, sampled_at: list
     return out.logits[0]
 
 
-def record(rows: list[Row], manager: BlockManager, is_caching: bool) -> None:
+def record(rows: list[Row], manager: BlockManager) -> None:
     """After a successful forward: the new tokens' K/V are in place; publish full and partial blocks."""
     bs = manager.block_size
     for row in rows:
         seq = row.seq
         first_block = len(seq.fed_ids) // bs
-        seq.fed_ids = seq.fed_ids + row.token_ids
+        seq.fed_ids.extend(row.token_ids)  # in place: this runs once per decoded token
         if not seq.is_prefilled and len(seq.fed_ids) == len(seq.request.prompt_ids):
             seq.is_prefilled = True
-        if not is_caching or not seq.use_cache:
+        if not seq.use_cache:
             continue
         for index in range(first_block, -(-len(seq.fed_ids) // bs)):
             parent = seq.blocks[index - 1].hash if index else manager.root(seq.salt)
