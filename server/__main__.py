@@ -6,6 +6,8 @@ import argparse
 import logging
 import signal
 import sys
+import threading
+import time
 
 from server.settings import Settings
 
@@ -25,6 +27,10 @@ OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or th
     "--default-max-tokens": "default_max_tokens",
     "--request-timeout-s": "request_timeout_s",
     "--shutdown-grace-s": "shutdown_grace_s",
+    "--state-dir": "state_dir",
+    "--host-kv-budget-bytes": "host_kv_budget_bytes",
+    "--disk-kv-budget-bytes": "disk_kv_budget_bytes",
+    "--response-retention-s": "response_retention_s",
     "--log-level": "log_level",
 }
 
@@ -54,14 +60,43 @@ def main(argv: list[str] | None = None) -> int:
     # installed. A graceful stop is a success: leave no-op handlers there so the process exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=1
     )
+    _draining_server()(config, app, settings.shutdown_grace_s).run()
     return 0
+
+
+def _draining_server():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """First SIGTERM/SIGINT: drain (503 to new requests, running ones finish within the grace period),
+        then stop; the app's shutdown writes the sessions' K/V. A second signal stops at once."""
+
+        def __init__(self, config, app, grace_s: float) -> None:
+            super().__init__(config)
+            self._app, self._grace_s, self._is_draining = app, grace_s, False
+
+        def handle_exit(self, sig, frame) -> None:
+            host = getattr(self._app.state, "host", None)
+            if self._is_draining or host is None:
+                super().handle_exit(sig, frame)
+                return
+            self._is_draining = True
+            host.begin_drain()
+            threading.Thread(target=self._exit_when_drained, args=(host, sig), daemon=True).start()
+
+        def _exit_when_drained(self, host, sig) -> None:
+            deadline = time.monotonic() + self._grace_s
+            while host.num_active and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if host.num_active:
+                logging.getLogger("kvserve").warning("grace period over: ending %d requests", host.num_active)
+            super().handle_exit(sig, None)
+
+    return Server
 
 
 def _prepare(settings: Settings) -> int:

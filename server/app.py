@@ -8,10 +8,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from server import __version__
-from server.api import chat, completions, errors, health, models, sessions
+from server.api import chat, completions, errors, health, models, responses, sessions
 from server.engine.registry import ModelSpec
 from server.hosting import ModelHost
+from server.responses import Responses
 from server.serving import Serving
+from server.sessions import Sessions
 from server.settings import Settings
 
 log = logging.getLogger("kvserve")
@@ -25,7 +27,9 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
     async def lifespan(app: FastAPI):
         host = ModelHost(settings, specs)
         app.state.host = host
-        app.state.serving = Serving(host)
+        app.state.serving = serving = Serving(host)
+        app.state.sessions = Sessions(serving)
+        app.state.responses = Responses(serving)
         host.start()
         try:
             yield
@@ -39,6 +43,6 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
         lifespan=lifespan,
     )
     errors.install(app)
-    for router in (completions.router, chat.router, models.router, sessions.router, health.router):
+    for router in (completions.router, chat.router, responses.router, models.router, sessions.router, health.router):
         app.include_router(router)
     return app

@@ -12,8 +12,10 @@ from server.engine.batch_engine import BatchEngine, PoolConfig
 from server.engine.kv_store import KVStore
 from server.engine.paged_attention import unpageable_reason
 from server.engine.registry import ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
+from server.engine.session import Journal
+from server.engine.tiers import TierStore
 from server.engine.worker import Engine
-from server.settings import Settings, default_kv_budget
+from server.settings import Settings, default_host_kv_budget, default_kv_budget
 
 log = logging.getLogger("kvserve")
 
@@ -32,9 +34,19 @@ class ModelHost:
         self.states = {s.id: ModelState(s) for s in specs}
         self.engines: dict[str, Engine] = {}
         budget = settings.kv_budget_bytes or default_kv_budget("cpu", None, _total_ram())
-        self.store = KVStore(budget_bytes=budget, ttl_s=settings.session_ttl_s)
+        state = settings.state_dir
+        host_budget = settings.host_kv_budget_bytes
+        if host_budget is None:
+            host_budget = default_host_kv_budget(_likely_device(specs), _total_ram())
+        tiers = TierStore(host_budget, settings.disk_kv_budget_bytes, state / "kv" if state else None)
+        journal = Journal(state / "sessions" if state else None)
+        self.store = KVStore(budget, settings.session_ttl_s, journal=journal, tiers=tiers)
+        num_sessions, num_snapshots = self.store.restore(), tiers.scan()
+        if state:
+            log.info("state in %s: %d sessions and %d K/V snapshots found", state, num_sessions, num_snapshots)
         self._thread = threading.Thread(target=self._load_all, name="model-loader", daemon=True)
         self._is_closed = False
+        self.is_draining = False
 
     def start(self) -> None:
         self._thread.start()
@@ -46,10 +58,31 @@ class ModelHost:
     def is_ready(self) -> bool:
         return all(s.status == "ready" for s in self.states.values())
 
+    @property
+    def num_active(self) -> int:
+        return sum(engine.num_active + engine.num_queued for engine in self.engines.values())
+
+    def begin_drain(self) -> None:
+        """SIGTERM: new requests answer 503, the ones running may finish."""
+        self.is_draining = True
+        log.info("draining: %d requests still running", self.num_active)
+
     def close(self) -> None:
+        """Stop the engines, then write every session's K/V down to disk (transcripts already are)."""
         self._is_closed = True
+        self.is_draining = True
         for engine in list(self.engines.values()):
             engine.stop()
+        saved = 0
+        for engine in list(self.engines.values()):
+            try:
+                saved += engine.save_sessions()
+            except Exception:
+                log.exception("saving the K/V of model %s failed; its sessions will recompute", engine.model_id)
+        self.store.tiers.flush()
+        self.store.tiers.close()
+        if self.settings.state_dir:
+            log.info("saved the K/V of %d sessions to %s", saved, self.settings.state_dir)
 
     def _load_all(self) -> None:
         for state in self.states.values():
@@ -92,6 +125,13 @@ def resolve_specs(settings: Settings) -> list[ModelSpec]:
     if settings.model:
         return [spec_from_cli(settings.model)]
     return read_specs(Path(settings.models_file))
+
+
+def _likely_device(specs: list[ModelSpec]) -> str:
+    import torch
+
+    wants_cuda = any(s.device in ("auto", "cuda") for s in specs)
+    return "cuda" if wants_cuda and torch.cuda.is_available() else "cpu"
 
 
 def _total_ram() -> int:

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from server.engine.registry import LoadedModel
 from server.engine.types import SamplingParams
 from server.errors import ApiError
 from server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+@dataclass(slots=True)
+class Prompt:
+    ids: list[int]
+    messages: list[dict] | None  # chat: what the ids render (kept in the session record); None for completions
 
 
 def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
@@ -21,17 +28,8 @@ def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
     return _non_empty(ids, "prompt")
 
 
-def chat_ids(req: ChatCompletionRequest, loaded: LoadedModel) -> list[int]:
-    tokenizer = loaded.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, "invalid_parameter", f"model {loaded.spec.id!r} has no chat template", "messages")
-    messages = [_message(m) for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's to fix
-        raise ApiError(400, "invalid_parameter", f"chat template rejected the messages: {exc}", "messages") from exc
-    # The template writes the special tokens itself; adding BOS again would change the prompt.
-    return _non_empty(tokenizer(text, add_special_tokens=False)["input_ids"], "messages")
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    return [_message(m) for m in req.messages]
 
 
 def _message(message) -> dict:
@@ -56,19 +54,8 @@ def sampling_params(
     default_max_tokens: int,
     num_logprobs: int | None,
 ) -> SamplingParams:
-    max_context = loaded.max_context
-    if max_tokens is None:
-        max_tokens = min(default_max_tokens, max_context - num_prompt)
-    if num_prompt + max_tokens > max_context or max_tokens < 1:
-        raise ApiError(
-            400,
-            "context_length_exceeded",
-            f"this model's context is {max_context} tokens; the prompt has {num_prompt} "
-            f"and max_tokens asks for {max(max_tokens, 0)} more",
-            "max_tokens" if num_prompt < max_context else "messages",
-        )
     return SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=output_budget(loaded, num_prompt, max_tokens, default_max_tokens),
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=max(req.top_k, 0),
@@ -83,6 +70,22 @@ def sampling_params(
         stop_token_ids=_token_ids(req.stop_token_ids or [], loaded.vocab_size, "stop_token_ids"),
         ignore_eos=req.ignore_eos,
     )
+
+
+def output_budget(loaded: LoadedModel, num_prompt: int, max_tokens: int | None, default_max_tokens: int) -> int:
+    """The request's max_tokens, or the default cut to the context; 400 when the context cannot hold it."""
+    max_context = loaded.max_context
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, max_context - num_prompt)
+    if num_prompt + max_tokens > max_context or max_tokens < 1:
+        raise ApiError(
+            400,
+            "context_length_exceeded",
+            f"this model's context is {max_context} tokens; the prompt has {num_prompt} "
+            f"and max_tokens asks for {max(max_tokens, 0)} more",
+            "max_tokens" if num_prompt < max_context else "messages",
+        )
+    return max_tokens
 
 
 def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float]:

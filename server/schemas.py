@@ -161,3 +161,30 @@ class ChatCompletionRequest(SamplingFields):
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"model": "smollm2-135m-instruct", "system": "You are terse.", "ttl_s": 3600}]},
+    )
+    model: str | None = Field(None, min_length=1, max_length=256, description="default: the first served model")
+    system: str | None = Field(
+        None, min_length=1, description="a system prompt, prefilled now so the first turn starts warm"
+    )
+    ttl_s: float | None = Field(None, gt=0, le=365 * 86400, description="idle lifetime; default: the server's")
+
+
+class SessionFork(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"turn": 2}]})
+    turn: int | None = Field(
+        None,
+        ge=0,
+        description="branch after this turn (counted from 1; 0: the system prompt only); default: the latest",
+    )
+    ttl_s: float | None = Field(None, gt=0, le=365 * 86400)
+
+
+class SessionRewind(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"turn": 1}]})
+    turn: int = Field(..., ge=0, description="keep turns 1..turn, drop the later ones")

@@ -14,13 +14,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from server import formats
+from server import continuation, formats
 from server.engine.handle import RequestHandle
-from server.engine.types import EngineError, Failed, Finished, GenerationRequest, SessionKey, TextDelta
+from server.engine.session import Entry
+from server.engine.types import Admitted, EngineError, Failed, Finished, GenerationRequest, SessionKey, TextDelta
 from server.engine.worker import Engine
 from server.errors import ENGINE_STATUS, ApiError, error_body
 from server.hosting import ModelHost
-from server.prompts import chat_ids, completion_ids, sampling_params
+from server.prompts import Prompt, chat_messages, completion_ids, sampling_params
 from server.schemas import SESSION_ID_PATTERN, ChatCompletionRequest, CompletionRequest, SamplingFields
 
 SESSION_HEADER = "X-Session-ID"
@@ -33,18 +34,23 @@ class Serving:
         self.settings = host.settings
 
     async def completion(self, req: CompletionRequest, http: Request, tenant: str):
-        engine = self._engine(req.model)
-        prompt_ids = completion_ids(req, engine.loaded)
-        num_logprobs = req.logprobs
-        return await self._run(req, http, tenant, engine, prompt_ids, req.max_tokens, num_logprobs, is_chat=False)
+        engine = self.engine(req.model)
+        session = session_key(req, http, tenant)
+        prompt = Prompt(completion_ids(req, engine.loaded), None)
+        return await self._run(req, http, tenant, engine, session, prompt, req.max_tokens, req.logprobs)
 
     async def chat(self, req: ChatCompletionRequest, http: Request, tenant: str):
-        engine = self._engine(req.model)
-        prompt_ids = chat_ids(req, engine.loaded)
+        engine = self.engine(req.model)
+        session = session_key(req, http, tenant)
+        view = self.host.store.view(session) if session and not session.is_bucket else None
+        if view is not None and view.model_id != engine.model_id:
+            view = None  # the engine answers session_model_mismatch
+        messages = with_session_system(chat_messages(req), view)
+        prompt = Prompt(continuation.prompt_ids(engine.loaded, messages, view), messages)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._run(req, http, tenant, engine, prompt_ids, req.output_limit(), num_logprobs, is_chat=True)
+        return await self._run(req, http, tenant, engine, session, prompt, req.output_limit(), num_logprobs)
 
-    def _engine(self, model: str) -> Engine:
+    def engine(self, model: str) -> Engine:
         state = self.host.states.get(model)
         if state is None:
             raise ApiError(404, "model_not_found", f"model {model!r} does not exist", "model")
@@ -53,30 +59,80 @@ class Serving:
             raise ApiError(503, "not_ready", f"model {model!r} is {state.status}: {state.detail}".rstrip(": "))
         return engine
 
-    async def _run(self, req: SamplingFields, http, tenant, engine, prompt_ids, max_tokens, num_logprobs, is_chat):
+    async def _run(self, req: SamplingFields, http, tenant, engine, session, prompt: Prompt, max_tokens, logprobs):
+        is_chat = prompt.messages is not None
         loaded = engine.loaded
-        params = sampling_params(
-            req, loaded, len(prompt_ids), max_tokens, self.settings.default_max_tokens, num_logprobs
-        )
-        session = session_key(req, http, tenant)
+        num_prompt = len(prompt.ids)
+        params = sampling_params(req, loaded, num_prompt, max_tokens, self.settings.default_max_tokens, logprobs)
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
         gen = GenerationRequest(
-            request_id, prompt_ids, params, session, self.settings.request_timeout_s, tenant, req.cache_prompt
+            request_id, prompt.ids, params, session, self.settings.request_timeout_s, tenant, req.cache_prompt
         )
-        try:
-            handle = engine.submit(gen)
-        except EngineError as exc:
-            status = ENGINE_STATUS.get(exc.code, 500)
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-            raise ApiError(status, exc.code, exc.message, headers=headers) from exc
+        gen.messages = prompt.messages
+        restore_from = session if session and not session.is_bucket else None
+        handle, admitted = await self.start(engine, gen, http, restore_from)
         meta = formats.Meta(request_id, int(time.time()), engine.model_id, is_chat)
-        headers = {SESSION_HEADER: session.name} if session and not session.is_bucket else {}
+        headers = cache_headers(admitted)
+        if session and not session.is_bucket:
+            headers[SESSION_HEADER] = session.name
         token_text = _token_texts(loaded.tokenizer)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = _sse(handle, meta, token_text, include_usage)
             return EventSourceResponse(events, headers=headers, sep="\n", ping=15)
         return await _collect(handle, http, meta, token_text, headers)
+
+    async def start(
+        self, engine, gen: GenerationRequest, http: Request | None, restore_from: SessionKey | None
+    ) -> tuple[RequestHandle, Admitted]:
+        """Submit, and wait until the engine admits the request (so the cache headers can be honest).
+
+        `restore_from`: the session whose lower-tier snapshot may hold this prompt's K/V.
+        """
+        if self.host.is_draining:
+            raise ApiError(503, "shutting_down", "the server is shutting down; retry on another instance")
+        if restore_from is not None and gen.use_cache:
+            gen.snapshot = await self._snapshot(engine, restore_from, gen)
+        try:
+            handle = engine.submit(gen)
+        except EngineError as exc:
+            status = ENGINE_STATUS.get(exc.code, 500)
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+            raise ApiError(status, exc.code, exc.message, headers=headers) from exc
+        watcher = asyncio.create_task(_cancel_on_disconnect(http, handle)) if http is not None else None
+        try:
+            first = await anext(handle)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        if isinstance(first, Failed):
+            raise ApiError(ENGINE_STATUS.get(first.code, 500), first.code, first.message)
+        return handle, first
+
+    async def _snapshot(self, engine, key: SessionKey, gen: GenerationRequest):
+        """A snapshot worth restoring: one holding more of the prompt than the device pool does."""
+        tiers = self.host.store.tiers
+        if tiers.peek_tokens(key) <= engine.cached_tokens(gen.tenant, gen.prompt_ids):
+            return None
+        return await asyncio.to_thread(tiers.fetch, key, engine.model_id, engine.fingerprint)
+
+
+def with_session_system(messages: list[dict], view: Entry | None) -> list[dict]:
+    """A session created with a system prompt applies it to requests that bring none of their own."""
+    if view is None or not view.turns[0].num_messages or messages[0]["role"] == "system":
+        return messages
+    return view.messages[: view.turns[0].num_messages] + messages
+
+
+def cache_headers(admitted: Admitted) -> dict[str, str]:
+    """X-Cache: hit when every prompt token but the last was cached, miss when none was, partial otherwise."""
+    if admitted.num_cached == 0:
+        verdict = "miss"
+    elif admitted.num_cached >= admitted.num_prompt - 1:
+        verdict = "hit"
+    else:
+        verdict = "partial"
+    return {"X-Cache": verdict, "X-Cache-Source": admitted.source}
 
 
 def session_key(req: SamplingFields, http: Request, tenant: str) -> SessionKey | None:
@@ -90,7 +146,7 @@ def session_key(req: SamplingFields, http: Request, tenant: str) -> SessionKey |
     if name is not None:
         return SessionKey(tenant, name)
     if req.prompt_cache_key is not None:
-        return SessionKey(tenant, req.prompt_cache_key, is_bucket=True)
+        return SessionKey(tenant, req.prompt_cache_key, kind="bucket")
     return None
 
 

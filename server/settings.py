@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 GIB = 1 << 30
@@ -13,6 +13,11 @@ GIB = 1 << 30
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVSERVE_", env_file=".env", extra="ignore")
+
+    @field_validator("state_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value):
+        return None if value in ("", None) else value
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -32,6 +37,21 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(256, ge=1, description="tokens per engine step (decode tokens + prefill chunks)")
     max_queue: int = Field(64, ge=1, description="requests waiting for K/V blocks; more answer 429")
     prefix_caching: bool = Field(True, description="share and keep K/V blocks by prefix (false: recompute all)")
+    state_dir: Path | None = Field(
+        Path(".kvserve"),
+        description="where sessions (JSON transcripts) and K/V snapshots (safetensors) persist across restarts; "
+        "empty: memory only",
+    )
+    host_kv_budget_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="host RAM for K/V evicted from the device; default 0 on CPU (the pool is host RAM), "
+        "a quarter of RAM up to 16 GiB with CUDA",
+    )
+    disk_kv_budget_bytes: int = Field(20 * GIB, ge=0, description="disk for K/V snapshots under state_dir/kv")
+    response_retention_s: float = Field(
+        30 * 86400.0, gt=0, description="stored /v1/responses results are kept this long after last use"
+    )
     default_max_tokens: int = Field(512, gt=0, description="when a request gives no max_tokens")
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is ended")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long open requests may finish")
@@ -43,3 +63,8 @@ def default_kv_budget(device_type: str, free_device_bytes: int | None, total_ram
     if device_type == "cuda" and free_device_bytes:
         return free_device_bytes // 2
     return min(total_ram_bytes // 4, 4 * GIB)
+
+
+def default_host_kv_budget(device_type: str, total_ram_bytes: int) -> int:
+    """On CPU the device pool already is host RAM: a host tier would only hold second copies."""
+    return min(total_ram_bytes // 4, 16 * GIB) if device_type == "cuda" else 0

@@ -7,6 +7,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ["KVSERVE_STATE_DIR"] = ""  # memory only, unless a test gives its app a directory of its own
 
 from server.engine.kv_store import KVStore  # noqa: E402
 from server.engine.registry import LoadedModel, ModelSpec, load_model  # noqa: E402

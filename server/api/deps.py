@@ -5,13 +5,23 @@ from __future__ import annotations
 from fastapi import Request
 
 from server.hosting import ModelHost
+from server.responses import Responses
 from server.serving import Serving
+from server.sessions import Sessions
 
 DEFAULT_TENANT = "default"
 
 
 def serving(request: Request) -> Serving:
     return request.app.state.serving
+
+
+def sessions(request: Request) -> Sessions:
+    return request.app.state.sessions
+
+
+def responses(request: Request) -> Responses:
+    return request.app.state.responses
 
 
 def host(request: Request) -> ModelHost:

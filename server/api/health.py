@@ -18,6 +18,9 @@ async def health() -> dict:
 @router.get("/ready", summary="Readiness: 200 when every model is loaded, else 503 saying why")
 async def ready(host: ModelHost = Depends(deps.host)) -> JSONResponse:
     models = {mid: {"status": s.status, "detail": s.detail or None} for mid, s in host.states.items()}
+    if host.is_draining:
+        body = error_body(503, "shutting_down", "shutting down: finishing the requests already running")
+        return JSONResponse({**body, "models": models}, status_code=503)
     if host.is_ready:
         return JSONResponse({"status": "ready", "models": models})
     waiting = [f"{mid} is {s.status}" + (f" ({s.detail})" if s.detail else "") for mid, s in host.states.items()]

@@ -13,16 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
+from server.engine import offload
 from server.engine.batch_step import PagedSequence, layout, plan, record, run_forward
 from server.engine.block_manager import BlockManager
 from server.engine.generate import ForwardCounter
 from server.engine.handle import RequestHandle
 from server.engine.inbox import SHUTTING_DOWN, Inbox
-from server.engine.kv_cache import bytes_per_token
-from server.engine.kv_store import KVStore
+from server.engine.kv_cache import bytes_per_token, kv_layout
+from server.engine.kv_store import KVStore, common_prefix_len
 from server.engine.paged_attention import KVPool, install
 from server.engine.registry import LoadedModel
-from server.engine.types import EngineError, Failed, Finished, GenerationRequest, SessionKey
+from server.engine.snapshot import fingerprint
+from server.engine.types import Admitted, EngineError, Failed, Finished, GenerationRequest, SessionKey
 
 log = logging.getLogger("kvserve.engine")
 
@@ -45,6 +47,13 @@ class PoolConfig:
 
 
 @dataclass(slots=True)
+class DeviceUsage:
+    num_tokens: int
+    exclusive_bytes: int
+    shared_bytes: int
+
+
+@dataclass(slots=True)
 class StepRecord:
     decode: list[str]  # request ids that fed one decode token
     prefill: list[tuple[str, int]]  # (request id, chunk length)
@@ -54,16 +63,14 @@ class BatchEngine:
     def __init__(self, loaded: LoadedModel, store: KVStore, config: PoolConfig) -> None:
         self.loaded, self.model_id, self.store, self.config = loaded, loaded.spec.id, store, config
         self.counter = ForwardCounter()
-        text = loaded.model.config.get_text_config(decoder=True)
         self.block_bytes = bytes_per_token(loaded.model.config, loaded.dtype) * config.block_size
         num_blocks = max(1, config.budget_bytes // self.block_bytes)
         self.blocks = BlockManager(num_blocks, config.block_size)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        self.pool = KVPool(
-            text.num_hidden_layers, num_kv_heads, head_dim, num_blocks, config.block_size, loaded.dtype, loaded.device
-        )
+        layout = kv_layout(loaded.model.config)  # (layers, kv_heads, head_dim)
+        self.pool = KVPool(*layout, num_blocks, config.block_size, loaded.dtype, loaded.device)
         install(loaded.model)
+        self.fingerprint = fingerprint(*layout, loaded.dtype)
+        self.num_spilled = 0
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
         self.max_batch_seen = 0
         self._inbox = Inbox(store)
@@ -95,13 +102,30 @@ class BatchEngine:
         self._thread.join(timeout_s)
 
     @property
+    def num_queued(self) -> int:
+        return self._inbox.qsize()
+
+    @property
     def num_active(self) -> int:
         return len(self._running) + len(self._waiting)
 
-    def residency(self, key: SessionKey, transcript_ids: list[int]) -> tuple[int, int]:
-        """(tokens of a session's transcript still cached in the pool, bytes of the blocks holding them)."""
-        num_tokens, num_blocks = self.blocks.cached_prefix(key.tenant, transcript_ids)
-        return num_tokens, num_blocks * self.block_bytes
+    def residency(self, key: SessionKey, transcript_ids: list[int], others: list[list[int]]) -> DeviceUsage:
+        """A transcript's K/V in the pool: tokens, and bytes of its blocks split into exclusive and shared.
+
+        A block is shared when a running sequence besides this one holds it or another of the
+        tenant's sessions (`others`: their transcripts) reaches it by prefix.
+        """
+        with self.blocks.lock:
+            blocks, num_tokens = offload.chain_blocks(self.blocks, key.tenant, transcript_ids)
+            elsewhere: set[int] = set()
+            for ids in others:
+                elsewhere.update(b.block_id for b in offload.chain_blocks(self.blocks, key.tenant, ids)[0])
+            num_shared = sum(1 for b in blocks if b.block_id in elsewhere or b.ref_count > 1)
+        return DeviceUsage(num_tokens, (len(blocks) - num_shared) * self.block_bytes, num_shared * self.block_bytes)
+
+    def cached_tokens(self, salt: str, prompt_ids: list[int]) -> int:
+        """Prompt tokens the pool can serve right now (a hint: whether a snapshot is worth reading)."""
+        return self.blocks.cached_prefix(salt, prompt_ids)[0]
 
     # -- engine thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -143,12 +167,24 @@ class BatchEngine:
         prompt, bs = seq.request.prompt_ids, self.config.block_size
         match = self.blocks.match(seq.salt, prompt, len(prompt) - 1) if seq.use_cache else None
         shared = match.shared if match else []
+        num_restore = self._restorable(seq, match.num_tokens if match else 0)
+        if num_restore:
+            shared = shared[: num_restore // bs]
         need = -(-(len(prompt) + seq.request.params.max_tokens) // bs) - len(shared)
+        self._spill(need)
         if not self.blocks.can_reserve(need, shared):
             return False
         self.blocks.reserve(need)
         self.blocks.pin(shared)
         seq.blocks, seq.num_reserved = list(shared), need
+        if num_restore:
+            snapshot = seq.request.snapshot
+            restored = offload.restore(self.pool, self.blocks, seq.salt, shared, snapshot, num_restore)
+            seq.blocks += restored
+            seq.num_reserved -= len(restored)
+            seq.num_cached, seq.fed_ids = num_restore, prompt[:num_restore]
+            seq.handle.push(Admitted(len(prompt), num_restore, snapshot.origin))
+            return True
         if match and match.partial is not None:
             block = self.blocks.allocate(shared[-1].block_id + 1 if shared else None)
             seq.num_reserved -= 1
@@ -159,7 +195,46 @@ class BatchEngine:
             seq.blocks.append(block)
         seq.num_cached = match.num_tokens if match else 0
         seq.fed_ids = prompt[: seq.num_cached]
+        seq.handle.push(Admitted(len(prompt), seq.num_cached, "device" if seq.num_cached else "none"))
         return True
+
+    def _restorable(self, seq: PagedSequence, num_in_pool: int) -> int:
+        """Prompt tokens a lower-tier snapshot can supply beyond what the pool holds (0: use the pool)."""
+        snapshot = seq.request.snapshot
+        if snapshot is None or not seq.use_cache or snapshot.fingerprint != self.fingerprint:
+            return 0
+        prompt = seq.request.prompt_ids
+        num_tokens = min(common_prefix_len(snapshot.token_ids, prompt), len(prompt) - 1)
+        return num_tokens if num_tokens > num_in_pool else 0
+
+    def _spill(self, num_needed: int) -> None:
+        """Before the pool evicts cached blocks, copy idle sessions' K/V down a tier, least recently used first."""
+        tiers = self.store.tiers
+        deficit = num_needed - (self.blocks.num_free - self.blocks.num_reserved)
+        if deficit <= 0 or not tiers.is_enabled:
+            return
+        for key, token_ids in self.store.idle_transcripts(self.model_id):
+            blocks, _num_tokens = offload.chain_blocks(self.blocks, key.tenant, token_ids)
+            if blocks and not tiers.covers(key, token_ids):
+                snapshot = offload.gather(self.pool, self.blocks, key, token_ids, self.model_id, self.fingerprint)
+                tiers.put(snapshot)
+                self.num_spilled += 1
+            deficit -= sum(1 for b in blocks if b.ref_count == 0)
+            if deficit <= 0:
+                return
+
+    def save_sessions(self) -> int:
+        """At shutdown (engine stopped): every idle session's K/V in the pool goes to the tiers."""
+        saved = 0
+        with self.blocks.lock:
+            for key, token_ids in self.store.idle_transcripts(self.model_id):
+                if self.store.tiers.covers(key, token_ids):
+                    continue
+                snapshot = offload.gather(self.pool, self.blocks, key, token_ids, self.model_id, self.fingerprint)
+                if snapshot is not None:
+                    self.store.tiers.put(snapshot)
+                    saved += 1
+        return saved
 
     def _step(self) -> None:
         rows = plan(self._running, self.config.max_batch_tokens)
@@ -191,6 +266,9 @@ class BatchEngine:
         sampled = [row for row in rows if row.is_sampled]
         for index, row in enumerate(sampled):
             self._sample(row.seq, logits[index])
+        for row in rows:
+            if row.seq.request.is_prefill_only and row.seq.is_prefilled:
+                self._finish(row.seq, Finished("length", row.seq.usage()), is_complete=True)
 
     def _count(self, rows) -> None:
         for row in rows:
@@ -223,7 +301,8 @@ class BatchEngine:
             self.blocks.release(seq.blocks, keep_contents=seq.use_cache)
             self.blocks.unreserve(seq.num_reserved)
             seq.blocks, seq.num_reserved = [], 0
-        if seq.entry is not None:
-            self.store.release(seq.entry, None, [], seq.transcript_ids() if is_complete else None)
+        if seq.entry is not None:  # the transcript is journaled here, before the client hears of the end
+            turn = seq.completed_turn(event.finish_reason) if is_complete else None
+            self.store.release(seq.entry, turn=turn)
         seq.handle.push(event)
         log.debug("request %s done: %s in %.3f s", seq.request.request_id, event, time.monotonic() - seq.started)

@@ -52,7 +52,8 @@ def plan(running: list[PagedSequence], max_tokens: int) -> list[Row]:
         if seq.is_prefilled or budget <= 0:
             continue
         chunk = seq.next_input(budget)
-        rows.append(Row(seq, chunk, len(seq.fed_ids) + len(chunk) == len(seq.request.prompt_ids)))
+        is_last = len(seq.fed_ids) + len(chunk) == len(seq.request.prompt_ids)
+        rows.append(Row(seq, chunk, is_last and not seq.request.is_prefill_only))
         budget -= len(chunk)
     return rows
 

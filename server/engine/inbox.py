@@ -72,5 +72,5 @@ class Inbox:
     def _reject(self, item: tuple, event: Failed) -> None:
         _request, entry, handle = item
         if entry is not None:
-            self._store.release(entry, None, [], None, keep_cache=True)
+            self._store.release(entry, keep_cache=True)
         handle.push(event)

@@ -125,9 +125,31 @@ def _plain_tensors(layer) -> list[torch.Tensor]:
     return [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if torch.is_tensor(t)]
 
 
-def bytes_per_token(config, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+def kv_layout(config) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a model's K/V."""
     text = config.get_text_config(decoder=True)
     num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return text.num_hidden_layers, num_kv_heads, head_dim
+
+
+def bytes_per_token(config, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+    num_layers, num_kv_heads, head_dim = kv_layout(config)
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def cache_from_snapshot(config, snapshot, prompt_ids: list[int], device) -> tuple[DynamicCache | None, int]:
+    """A cache holding the snapshot's K/V for its common prefix with the prompt (at least one token left)."""
+    num_tokens = 0
+    for a, b in zip(snapshot.token_ids, prompt_ids[:-1], strict=False):
+        if a != b:
+            break
+        num_tokens += 1
+    cache = new_cache(config)
+    if num_tokens == 0 or not is_croppable(cache) or len(cache.layers) != len(snapshot.k):
+        return None, 0
+    snapshot.wait()
+    for layer, k, v in zip(cache.layers, snapshot.k, snapshot.v, strict=True):
+        layer.update(k[None, :, :num_tokens].to(device), v[None, :, :num_tokens].to(device))  # [1, kvH, T, D]
+    return cache, num_tokens

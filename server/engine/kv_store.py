@@ -1,48 +1,28 @@
-"""Per-session KV store: transcript, cached K/V for a prefix, LRU budget, TTL, busy lock.
+"""The session store: records (transcript, turns, messages), busy locks, TTL, and for the
+per-session engine each session's own K/V cache under an LRU byte budget.
 
 Thread-safe: the event loop admits and inspects sessions while the engine thread runs them.
-Contract (docs/architecture.md, DESIGN.md): the transcript is the source of truth; the
-cache holds K/V for `cached_ids`, which may run past the transcript after an aborted turn.
-An entry in use is never evicted; eviction drops K/V but keeps the transcript.
+Contract (docs/architecture.md, DESIGN.md): the transcript is the source of truth, journaled
+when a turn completes; K/V is an accelerator that may be lost. An entry in use is never
+evicted; eviction drops K/V but keeps the transcript. Deleting or expiring a session removes
+its record and its snapshots from every tier.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from server.engine.kv_cache import cache_nbytes, shrink_cache
-from server.engine.types import SessionBusy, SessionKey, SessionModelMismatch
+from server.engine.session import CompletedTurn, Entry, Journal, SessionInfo, info_of
+from server.engine.tiers import TierStore
+from server.engine.types import InvalidTurn, SessionBusy, SessionKey, SessionModelMismatch, SessionNotFound
 
-
-@dataclass(slots=True)
-class Entry:
-    key: SessionKey
-    model_id: str
-    transcript_ids: list[int] = field(default_factory=list)
-    num_turns: int = 0
-    cached_ids: list[int] = field(default_factory=list)
-    cache: Any = None
-    nbytes: int = 0
-    is_in_use: bool = False
-    created_at: float = 0.0
-    last_use: float = 0.0  # monotonic clock
-    last_use_wall: float = 0.0  # unix time, for reporting
-
-
-@dataclass(slots=True)
-class SessionInfo:
-    session_id: str
-    model_id: str
-    num_turns: int
-    num_transcript_tokens: int
-    num_cached_tokens: int
-    nbytes: int
-    is_in_use: bool
-    last_use: float  # unix time
+log = logging.getLogger("kvserve.sessions")
 
 
 @dataclass(slots=True)
@@ -68,15 +48,54 @@ class KVStore:
         ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        journal: Journal | None = None,
+        tiers: TierStore | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.ttl_s = ttl_s
+        self.journal = journal or Journal(None)
+        self.tiers = tiers or TierStore(0, 0, None)
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.Lock()
         self._entries: dict[SessionKey, Entry] = {}
         self.num_evictions = 0
         self.num_expired = 0
+
+    # -- creating and restoring ---------------------------------------------------
+    def _new_entry(self, key: SessionKey, model_id: str, ttl_s: float | None) -> Entry:
+        now, wall = self._clock(), self._wall()
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        return Entry(key, model_id, ttl_s=ttl, created_at=wall, last_use=now, last_use_wall=wall)
+
+    def create(self, key: SessionKey, model_id: str, ttl_s: float | None = None, **fields) -> Entry:
+        """A new, idle session (POST /v1/sessions, forks). Raises SessionBusy when the id is taken."""
+        with self._lock:
+            self._expire_locked()
+            if key in self._entries:
+                raise SessionBusy(f"session {key.name!r} already exists")
+            entry = self._new_entry(key, model_id, ttl_s)
+            for name, value in fields.items():
+                setattr(entry, name, value)
+            self._entries[key] = entry
+            record = entry.to_record()
+        self.journal.save(key, record)
+        return entry
+
+    def restore(self) -> int:
+        """At start: every session a previous run journaled, without K/V (restored lazily). Returns the count."""
+        loaded = 0
+        for data in self.journal.load_all():
+            try:
+                entry = Entry.from_record(data, self._clock(), self._wall())
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("skipping a session record: %s", exc)
+                continue
+            with self._lock:
+                self._entries.setdefault(entry.key, entry)
+                loaded += 1
+        self.expire()
+        return loaded
 
     # -- admission (event loop) -------------------------------------------------
     def acquire(self, key: SessionKey, model_id: str) -> Entry | None:
@@ -85,8 +104,7 @@ class KVStore:
             self._expire_locked()
             entry = self._entries.get(key)
             if entry is None:
-                now = self._clock()
-                entry = Entry(key, model_id, created_at=now, last_use=now, last_use_wall=self._wall())
+                entry = self._new_entry(key, model_id, None)
                 self._entries[key] = entry
             if entry.model_id != model_id:
                 if key.is_bucket:
@@ -115,12 +133,12 @@ class KVStore:
     def release(
         self,
         entry: Entry,
-        cache: Any,
-        cached_ids: list[int],
-        transcript_ids: list[int] | None,
+        cache: Any = None,
+        cached_ids: list[int] = (),
+        turn: CompletedTurn | None = None,
         keep_cache: bool = False,
     ) -> None:
-        """Give the entry back. `transcript_ids` is the new transcript for a completed turn, None otherwise.
+        """Give the entry back; a completed `turn` is applied and journaled before this returns.
 
         `keep_cache`: the turn never took the entry's cache (it ended before its prefill): leave it.
         """
@@ -130,17 +148,20 @@ class KVStore:
             except Exception:  # e.g. out of memory while copying: dropping the cache is always safe
                 cache, cached_ids = None, []
         nbytes = cache_nbytes(cache) if cache is not None else 0
+        record = None
         with self._lock:
             if not keep_cache:
                 entry.cache, entry.cached_ids, entry.nbytes = cache, list(cached_ids), nbytes
-            if transcript_ids is not None:
-                entry.transcript_ids = list(transcript_ids)
-                entry.num_turns += 1
+            if turn is not None:
+                entry.apply(turn)
             entry.is_in_use = False
             entry.last_use, entry.last_use_wall = self._clock(), self._wall()
-            if entry.key in self._entries and self._entries[entry.key] is not entry:
-                return  # deleted (and maybe re-created) while running: this state belongs to nobody
-            self._evict_locked(0)
+            is_live = self._entries.get(entry.key) is entry
+            if is_live:
+                self._evict_locked(0)
+                record = entry.to_record() if turn is not None else None
+        if record is not None:
+            self.journal.save(entry.key, record)  # deleted while running: this state belongs to nobody
 
     def make_room(self, num_bytes: int) -> None:
         """Evict idle entries so that `num_bytes` more fit in the budget (as far as idle entries allow)."""
@@ -148,22 +169,98 @@ class KVStore:
             self._expire_locked()
             self._evict_locked(num_bytes)
 
-    # -- inspection (event loop) ------------------------------------------------
+    def idle_transcripts(self, model_id: str) -> list[tuple[SessionKey, list[int]]]:
+        """Idle sessions and responses of a model, least recently used first: what may leave the device."""
+        with self._lock:
+            idle = [e for e in self._entries.values() if e.model_id == model_id and not e.is_in_use]
+            idle = [e for e in idle if not e.key.is_bucket and e.transcript_ids]
+            idle.sort(key=lambda e: e.last_use)
+            return [(e.key, list(e.transcript_ids)) for e in idle]
+
+    # -- sessions API (event loop) ------------------------------------------------
     def info(self, key: SessionKey) -> SessionInfo | None:
         with self._lock:
             self._expire_locked()
             entry = self._entries.get(key)
-            return None if entry is None else _info(entry)
+            return None if entry is None else info_of(entry)
+
+    def list(self, tenant: str, kind: str = "session") -> list[SessionInfo]:
+        with self._lock:
+            self._expire_locked()
+            found = [e for e in self._entries.values() if e.key.tenant == tenant and e.key.kind == kind]
+            return [info_of(e) for e in sorted(found, key=lambda e: e.created_at)]
+
+    def view(self, key: SessionKey) -> Entry | None:
+        """A detached copy of the record (transcript, turns, messages, record), for building a prompt."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            return Entry(
+                entry.key,
+                entry.model_id,
+                list(entry.transcript_ids),
+                list(entry.turns),
+                [dict(m) for m in entry.messages],
+                entry.ttl_s,
+                entry.parent,
+                dict(entry.record),
+                entry.created_at,
+            )
+
+    def others(self, key: SessionKey, model_id: str) -> list[list[int]]:
+        """Transcripts of the tenant's other sessions and responses on a model (who may share K/V blocks)."""
+        with self._lock:
+            return [
+                list(e.transcript_ids)
+                for k, e in self._entries.items()
+                if k != key and k.tenant == key.tenant and not k.is_bucket and e.model_id == model_id
+            ]
 
     def transcript(self, key: SessionKey) -> list[int]:
         with self._lock:
             entry = self._entries.get(key)
             return list(entry.transcript_ids) if entry else []
 
-    def delete(self, key: SessionKey) -> bool:
-        """Forget a session. One in use is detached: its request finishes, its state is then dropped."""
+    def fork(self, key: SessionKey, new_key: SessionKey, num_turns: int, ttl_s: float | None = None) -> Entry:
+        """A new session holding `key`'s first `num_turns` turns; its K/V is found by prefix (shared blocks)."""
         with self._lock:
-            return self._entries.pop(key, None) is not None
+            parent = self._entries.get(key)
+            if parent is None:
+                raise SessionNotFound(f"no session {key.name!r}")
+            _check_turn(parent, num_turns)
+            turns = list(parent.turns[: num_turns + 1])
+            fields = {
+                "transcript_ids": list(parent.transcript_ids[: turns[-1].end]),
+                "messages": [dict(m) for m in parent.messages[: turns[-1].num_messages]],
+                "turns": turns,
+                "parent": key.name,
+            }
+            ttl = parent.ttl_s if ttl_s is None else ttl_s
+        return self.create(new_key, parent.model_id, ttl, **fields)
+
+    def rewind(self, key: SessionKey, num_turns: int) -> Entry:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise SessionNotFound(f"no session {key.name!r}")
+            if entry.is_in_use:
+                raise SessionBusy(f"session {key.name!r} has a request in flight")
+            _check_turn(entry, num_turns)
+            entry.cut(num_turns)
+            entry.cache, entry.cached_ids, entry.nbytes = None, [], 0
+            entry.last_use, entry.last_use_wall = self._clock(), self._wall()
+            record = entry.to_record()
+        self.journal.save(key, record)
+        return entry
+
+    def delete(self, key: SessionKey) -> bool:
+        """Forget a session everywhere. One in use is detached: its request finishes, its state is then dropped."""
+        with self._lock:
+            found = self._entries.pop(key, None) is not None
+        if found:
+            self._forget(key)
+        return found
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -173,6 +270,10 @@ class KVStore:
     def expire(self) -> None:
         with self._lock:
             self._expire_locked()
+
+    def _forget(self, key: SessionKey) -> None:
+        self.journal.delete(key)
+        self.tiers.drop(key)
 
     # -- internals (lock held) --------------------------------------------------
     def _evict_locked(self, extra_bytes: int) -> None:
@@ -192,21 +293,17 @@ class KVStore:
             if entry.key.is_bucket:
                 del self._entries[entry.key]  # a bucket without K/V holds nothing worth keeping
 
-    def _expire_locked(self) -> None:
-        deadline = self._clock() - self.ttl_s
-        for key in [k for k, e in self._entries.items() if not e.is_in_use and e.last_use < deadline]:
+    def _expire_locked(self) -> list[SessionKey]:
+        """Drop idle entries past their TTL; the caller forgets their files (outside the lock)."""
+        now = self._clock()
+        expired = [k for k, e in self._entries.items() if not e.is_in_use and e.last_use + e.ttl_s < now]
+        for key in expired:
             del self._entries[key]
             self.num_expired += 1
+            self._forget(key)  # file unlinks: quick enough to do under the lock
+        return expired
 
 
-def _info(entry: Entry) -> SessionInfo:
-    return SessionInfo(
-        session_id=entry.key.name,
-        model_id=entry.model_id,
-        num_turns=entry.num_turns,
-        num_transcript_tokens=len(entry.transcript_ids),
-        num_cached_tokens=len(entry.cached_ids),
-        nbytes=entry.nbytes,
-        is_in_use=entry.is_in_use,
-        last_use=entry.last_use_wall,
-    )
+def _check_turn(entry: Entry, num_turns: int) -> None:
+    if not 0 <= num_turns <= entry.num_turns:
+        raise InvalidTurn(f"turn must be between 0 and {entry.num_turns}, the session's number of turns")

@@ -7,11 +7,12 @@ import time
 from server.engine.detokenizer import Detokenizer
 from server.engine.generate import Forward
 from server.engine.handle import RequestHandle
-from server.engine.kv_cache import bytes_per_token, cache_nbytes, crop_cache, new_cache
+from server.engine.kv_cache import bytes_per_token, cache_from_snapshot, cache_nbytes, crop_cache, new_cache
 from server.engine.kv_store import Entry, KVStore
 from server.engine.registry import LoadedModel
 from server.engine.sampler import Sampler
-from server.engine.types import GenerationRequest, TextDelta, TokenLogprob, Usage
+from server.engine.session import CompletedTurn
+from server.engine.types import Admitted, GenerationRequest, TextDelta, TokenLogprob, Usage
 
 
 class Sequence:
@@ -25,6 +26,7 @@ class Sequence:
         self.fed_ids: list[int] = []  # tokens whose K/V the cache holds, in order
         self.num_cached = 0  # prompt tokens reused from the session, not fed to the model
         self.generated_ids: list[int] = []
+        self.text_parts: list[str] = []  # the text sent so far, for the session's record of the reply
         self.finish_reason: str | None = None
         self.is_prefilled = False
         self.has_taken_cache = False  # the session's cache moved into this sequence (per-session engine)
@@ -48,9 +50,16 @@ class Sequence:
         self.has_taken_cache = is_reusing
         if cache is not None and not crop_cache(cache, num_cached):
             cache, num_cached = None, 0  # a cache that cannot be cut back is recomputed
+        source = "device" if cache is not None and num_cached else "none"
+        if cache is None and is_reusing and self.request.snapshot is not None:
+            cache, num_cached = cache_from_snapshot(
+                self.loaded.model.config, self.request.snapshot, prompt, self.loaded.device
+            )
+            source = self.request.snapshot.origin if cache is not None else "none"
         if cache is None:
             cache, num_cached = new_cache(self.loaded.model.config), 0
         self.cache, self.num_cached = cache, num_cached
+        self.handle.push(Admitted(len(prompt), num_cached, source))
         self.fed_ids = prompt[:num_cached]
         num_new = len(prompt) - num_cached + self.request.params.max_tokens
         growth = num_new * bytes_per_token(self.loaded.model.config, self.loaded.dtype)
@@ -58,6 +67,9 @@ class Sequence:
         logits = forward(prompt[num_cached:], cache, num_cached, is_prefill=True)
         self.fed_ids = list(prompt)
         self.is_prefilled = True
+        if self.request.is_prefill_only:
+            self.finish_reason = "length"
+            return None
         return self.accept(*self.sampler.sample(logits))
 
     def decode(self, forward: Forward) -> TextDelta | None:
@@ -82,6 +94,7 @@ class Sequence:
             self._pending_logprobs.append(logprob)
         if not text and logprob is None and self.finish_reason is None:
             return None  # no visible text yet (e.g. half a character): report these ids with the next text
+        self.text_parts.append(text)
         delta = TextDelta(text, self._pending_ids, self._pending_logprobs or None)
         self._pending_ids, self._pending_logprobs = [], []
         return delta
@@ -95,3 +108,14 @@ class Sequence:
 
     def usage(self) -> Usage:
         return Usage(len(self.request.prompt_ids), len(self.generated_ids), self.num_cached)
+
+    def completed_turn(self, reason: str) -> CompletedTurn:
+        request = self.request
+        return CompletedTurn(
+            self.transcript_ids(),
+            "".join(self.text_parts),
+            reason,
+            self.usage(),
+            request.messages,
+            request.is_prefill_only,
+        )

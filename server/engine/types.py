@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -33,7 +34,11 @@ class SessionKey:
 
     tenant: str
     name: str
-    is_bucket: bool = False  # prompt_cache_key: shared, never locks
+    kind: str = "session"  # session | response | bucket (prompt_cache_key: shared, never locks)
+
+    @property
+    def is_bucket(self) -> bool:
+        return self.kind == "bucket"
 
 
 @dataclass(slots=True)
@@ -45,6 +50,13 @@ class GenerationRequest:
     timeout_s: float | None = None
     tenant: str = "default"  # salts the shared prefix cache: tenants never share K/V
     use_cache: bool = True  # False: no K/V reuse and nothing published for others (baselines)
+    snapshot: Any = None  # a Snapshot (host or disk tier) the engine may restore K/V from
+    messages: list[dict] | None = None  # chat: the messages this prompt renders (kept in the session record)
+
+    @property
+    def is_prefill_only(self) -> bool:
+        """max_tokens 0: compute the prompt's K/V, generate nothing (a session's system prompt)."""
+        return self.params.max_tokens == 0
 
 
 @dataclass(slots=True)
@@ -69,6 +81,15 @@ class TextDelta:
 
 
 @dataclass(slots=True)
+class Admitted:
+    """The engine took the request: how much of its prompt is cached, and from which tier."""
+
+    num_prompt: int
+    num_cached: int
+    source: str  # device | host | disk | none
+
+
+@dataclass(slots=True)
 class Finished:
     finish_reason: str  # "stop" | "length"
     usage: Usage
@@ -80,7 +101,7 @@ class Failed:
     message: str
 
 
-Event = TextDelta | Finished | Failed
+Event = Admitted | TextDelta | Finished | Failed
 
 
 class EngineError(Exception):
@@ -103,3 +124,11 @@ class SessionModelMismatch(EngineError):
 
 class EngineStopped(EngineError):
     code = "shutting_down"
+
+
+class SessionNotFound(EngineError):
+    code = "session_not_found"
+
+
+class InvalidTurn(EngineError):
+    code = "invalid_parameter"

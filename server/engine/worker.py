@@ -13,12 +13,15 @@ import time
 
 import torch
 
+from server.engine.batch_engine import DeviceUsage
 from server.engine.generate import Forward, ForwardCounter
 from server.engine.handle import RequestHandle
 from server.engine.inbox import SHUTTING_DOWN, Inbox
+from server.engine.kv_cache import kv_layout
 from server.engine.kv_store import Entry, KVStore
 from server.engine.registry import LoadedModel
 from server.engine.sequence import Sequence
+from server.engine.snapshot import fingerprint
 from server.engine.types import Failed, Finished, GenerationRequest, TextDelta
 
 log = logging.getLogger("kvserve.engine")
@@ -32,6 +35,7 @@ class Engine:
         self.store = store
         self.counter = ForwardCounter()
         self._forward = Forward(loaded.model, self.counter)
+        self.fingerprint = fingerprint(*kv_layout(loaded.model.config), loaded.dtype)
         self._inbox = Inbox(store)
         self._active: list[Sequence] = []
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.model_id}", daemon=True)
@@ -49,13 +53,23 @@ class Engine:
         self._thread.join(timeout_s)
 
     @property
+    def num_queued(self) -> int:
+        return self._inbox.qsize()
+
+    @property
     def num_active(self) -> int:
         return len(self._active)
 
-    def residency(self, key, transcript_ids: list[int]) -> tuple[int, int]:
-        """(tokens of a session's K/V held in the store, bytes of the storage holding them)."""
+    def residency(self, key, transcript_ids: list[int], others: list[list[int]]) -> DeviceUsage:
+        """A session's own cache in the store: never shared with another session."""
         info = self.store.info(key)
-        return (info.num_cached_tokens, info.nbytes) if info else (0, 0)
+        return DeviceUsage(info.num_cached_tokens, info.nbytes, 0) if info else DeviceUsage(0, 0, 0)
+
+    def cached_tokens(self, salt: str, prompt_ids: list[int]) -> int:
+        return 0  # each session's cache is found by its key at prefill, not by prefix
+
+    def save_sessions(self) -> int:
+        return 0  # per-session caches are not snapshotted (docs/architecture.md): transcripts are
 
     # -- engine thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -87,14 +101,14 @@ class Engine:
             self._finish(seq, Failed("internal_error", "generation failed inside the engine"), is_complete=False)
 
     def _release(self, seq: Sequence, entry: Entry, event: Finished | Failed, is_complete: bool) -> None:
-        transcript = seq.transcript_ids() if is_complete else None
+        turn = seq.completed_turn(event.finish_reason) if is_complete else None
         if not seq.has_taken_cache:
-            self.store.release(entry, None, [], transcript, keep_cache=True)
+            self.store.release(entry, turn=turn, keep_cache=True)
             return
         # A forward that raised may have written some layers and not others: never keep that cache.
         is_consistent = is_complete or event.code in CONSISTENT_FAILURES
         cache = seq.cache if is_consistent else None
-        self.store.release(entry, cache, seq.fed_ids if is_consistent else [], transcript)
+        self.store.release(entry, cache, seq.fed_ids if is_consistent else [], turn)
 
     def _emit(self, seq: Sequence, delta: TextDelta | None) -> None:
         if delta is not None:

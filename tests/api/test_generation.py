@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from server.engine.types import SessionKey
 from tests.helpers import reference_greedy
 
 CHAT = "/v1/chat/completions"
@@ -87,13 +88,27 @@ def chat_turn(client, session, messages, max_tokens=5, **extra):
 def fresh_text(tiny, messages, max_tokens=5) -> str:
     text = tiny.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tiny.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids_text(tiny, ids, max_tokens)
+
+
+def ids_text(tiny, ids, max_tokens=5) -> str:
     return tiny.tokenizer.decode(reference_greedy(tiny.model, ids, max_tokens), skip_special_tokens=True)
 
 
+def continued(tiny, transcript: list[int], user: str) -> list[int]:
+    """By hand, for this ChatML template: what a session adds after its transcript for one new user message."""
+    tail = "\n" if transcript[-1] in tiny.eos_ids else "<|im_end|>\n"  # a reply cut by max_tokens lacks both
+    new = f"{tail}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    return transcript + tiny.tokenizer(new, add_special_tokens=False)["input_ids"]
+
+
 def test_chat_session_three_turns_and_edited_history(client, engine, tiny):
+    store = client.app.state.host.store
+    key = SessionKey("default", "chat3")
     messages = [{"role": "system", "content": "Be brief."}]
     cached = []
     for turn, user in enumerate(["Hello world", "Paris is", "The quick brown fox"]):
+        transcript = store.transcript(key)
         messages.append({"role": "user", "content": user})
         before = engine.counter.num_prefill_tokens
         r = chat_turn(client, "chat3", messages)
@@ -103,7 +118,14 @@ def test_chat_session_three_turns_and_edited_history(client, engine, tiny):
             == usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
         )
         content = r.json()["choices"][0]["message"]["content"]
-        assert content == fresh_text(tiny, messages), f"turn {turn + 1}"
+        # The reference is a fresh run over the session's transcript plus the new turn, not a re-render.
+        expected_ids = continued(tiny, transcript, user) if turn else None
+        if turn:
+            assert usage["prompt_tokens"] == len(expected_ids)
+            # every transcript token but the last reply token, whose K/V only this turn computes
+            assert usage["prompt_tokens_details"]["cached_tokens"] == len(transcript) - 1
+            assert r.headers["X-Cache"] == "partial"
+        assert content == (ids_text(tiny, expected_ids) if turn else fresh_text(tiny, messages)), f"turn {turn + 1}"
         assert r.headers["X-Session-ID"] == "chat3"
         cached.append(usage["prompt_tokens_details"]["cached_tokens"])
         messages.append({"role": "assistant", "content": content})
@@ -111,10 +133,10 @@ def test_chat_session_three_turns_and_edited_history(client, engine, tiny):
     edited = messages[:2] + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "Hi"}]
     r = chat_turn(client, "chat3", edited)
     reused = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert 0 < reused < cached[2]  # the edited history still reuses its untouched prefix
+    assert 0 < reused < cached[2]  # the edited history falls back to its longest common prefix
     assert r.json()["choices"][0]["message"]["content"] == fresh_text(tiny, edited)
     info = client.get("/v1/sessions/chat3").json()
-    assert info["turns"] == 4 and info["cached_tokens"] > 0 and info["bytes"] > 0
+    assert info["turns"] == 4 and info["cached_tokens"] > 0 and info["cache"]["device"]["bytes"] > 0
 
 
 def test_session_via_body_and_header_are_the_same(client):

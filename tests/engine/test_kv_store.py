@@ -8,7 +8,8 @@ from transformers import LlamaConfig
 
 from server.engine.kv_cache import cache_nbytes, crop_cache, new_cache
 from server.engine.kv_store import KVStore
-from server.engine.types import SessionBusy, SessionKey, SessionModelMismatch
+from server.engine.session import CompletedTurn
+from server.engine.types import SessionBusy, SessionKey, SessionModelMismatch, Usage
 
 CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=8, vocab_size=50)
 HEAD_DIM = 4
@@ -47,10 +48,14 @@ def key(name: str) -> SessionKey:
     return SessionKey("default", name)
 
 
+def turn(ids: list[int]) -> CompletedTurn:
+    return CompletedTurn(ids, "", "stop", Usage(len(ids), 0, 0), None)
+
+
 def put(store: KVStore, name: str, ids: list[int], clock: Clock | None = None):
     entry = store.acquire(key(name), "m")
     cache, _ = store.take_cache(entry, ids)
-    store.release(entry, filled_cache(len(ids)), ids, ids)
+    store.release(entry, filled_cache(len(ids)), ids, turn(ids))
     if clock:
         clock.now += 1
     return entry
@@ -96,7 +101,7 @@ def test_store_bytes_after_release_equal_the_storage_held(store):
     entry = store.acquire(key("b"), "m")
     cache = filled_cache(2000)
     crop_cache(cache, 120)
-    store.release(entry, cache, list(range(120)), list(range(121)))
+    store.release(entry, cache, list(range(120)), turn(list(range(121))))
     held = held_bytes(cache)
     assert store.info(key("b")).nbytes == held == store.stats().nbytes
     assert held == (120 + 120 // 8) * TOKEN_BYTES  # idle: spare capacity given back, an eighth kept as headroom
@@ -142,7 +147,7 @@ def test_busy_session_and_model_mismatch(store):
 
 
 def test_bucket_never_locks(store):
-    bucket = SessionKey("default", "shared", is_bucket=True)
+    bucket = SessionKey("default", "shared", kind="bucket")
     first = store.acquire(bucket, "m")
     assert first is not None
     assert store.acquire(bucket, "m") is None  # busy bucket: the request just runs without it
@@ -165,5 +170,5 @@ def test_tenants_are_separate_namespaces(store):
 def test_delete_while_running_drops_the_state(store):
     entry = store.acquire(key("d"), "m")
     assert store.delete(key("d"))
-    store.release(entry, filled_cache(4), [1, 2, 3, 4], [1, 2, 3, 4])
+    store.release(entry, filled_cache(4), [1, 2, 3, 4], turn([1, 2, 3, 4]))
     assert store.info(key("d")) is None and store.stats().nbytes == 0
