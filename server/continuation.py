@@ -6,11 +6,12 @@ insert defaults (SmolLM2 adds a system prompt when none is given), and a reply t
 differently once it is text. So when a request's messages extend the ones a session has
 seen, the transcript ids are kept as they are and only the new messages are rendered.
 
-To render just the new messages in their real context, the seen messages are replaced by
-inert placeholders: a template's rewriting (which works on content) then leaves them alone,
-and the new messages' text is what the template adds after them. When the history was
-edited, or the template renders differently than this assumes, the caller falls back to a
-full render and the engine reuses the longest common prefix.
+To render just the new messages in their real context, the whole conversation is rendered
+with the seen messages' contents replaced by inert placeholders (rewriting that works on
+content, like stripping reasoning, leaves them alone), and the new text is what follows the
+last placeholder, less the part of that message's closing the transcript already holds.
+When the history was edited, or the template defeats this (it rewrote a placeholder), the
+caller falls back to a full render and the engine reuses the longest common prefix.
 """
 
 from __future__ import annotations
@@ -47,28 +48,31 @@ def prompt_ids(loaded: LoadedModel, messages: list[dict], session: Entry | None)
 
 
 def continued_ids(loaded: LoadedModel, messages: list[dict], session: Entry) -> list[int] | None:
-    seen = session.messages
-    if not seen or not session.transcript_ids or len(messages) <= len(seen) or messages[: len(seen)] != seen:
+    seen, transcript = session.messages, session.transcript_ids
+    if not seen or not transcript or len(messages) <= len(seen) or messages[: len(seen)] != seen:
         return None  # nothing seen, or the history was edited: longest common prefix instead
     placeholders = [{**m, "content": PLACEHOLDER.format(i)} for i, m in enumerate(seen)]
-    before = render(loaded, placeholders, add_generation_prompt=False)
-    after = render(loaded, placeholders + messages[len(seen) :], add_generation_prompt=True)
-    if not after.startswith(before):
+    last = placeholders[-1]["content"]
+    full = render(loaded, placeholders + messages[len(seen) :], add_generation_prompt=True)
+    if full.count(last) != 1:
+        return None  # the template rewrote the placeholder itself: no safe place to cut
+    new_text = full[full.index(last) + len(last) :]  # the last seen message's closing, then the new messages
+    held = _held_closing(loaded, placeholders, last, transcript, is_reply=seen[-1]["role"] == "assistant")
+    if not new_text.startswith(held):
         return None
-    new_text = after[len(before) :]
-    if seen[-1]["role"] == "assistant":
-        new_text = _reply_tail(loaded, before, placeholders[-1]["content"], session.transcript_ids) + new_text
-    return session.transcript_ids + tokenize(loaded, new_text)
+    return transcript + tokenize(loaded, new_text[len(held) :])
 
 
-def _reply_tail(loaded: LoadedModel, before: str, last_placeholder: str, transcript_ids: list[int]) -> str:
-    """What the template writes after a reply's content that the generated ids do not already hold.
+def _held_closing(loaded: LoadedModel, placeholders: list[dict], last: str, transcript: list[int], is_reply: bool):
+    """The part of the last seen message's closing the transcript already holds.
 
-    A reply that ended on the end-of-turn token holds it ('<|im_end|>'); the newline the
-    template adds after it does not. A reply cut by max_tokens or a stop string holds neither.
+    A system prompt prefilled at creation holds all of it ('<|im_end|>\n'). A generated reply
+    holds its end-of-turn token when it stopped on one, not the newline the template adds
+    after it; a reply cut by max_tokens or a stop string holds none of the closing.
     """
-    tail = before[before.rindex(last_placeholder) + len(last_placeholder) :]
-    last_token = loaded.tokenizer.decode([transcript_ids[-1]])
-    if last_token and tail.startswith(last_token) and transcript_ids[-1] in loaded.eos_ids:
-        return tail[len(last_token) :]
-    return tail
+    if not is_reply:
+        alone = render(loaded, placeholders, add_generation_prompt=False)
+        return alone[alone.index(last) + len(last) :] if last in alone else "\0"  # "\0": no match, fall back
+    if transcript[-1] in loaded.eos_ids:
+        return loaded.tokenizer.decode([transcript[-1]])
+    return ""

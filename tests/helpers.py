@@ -6,7 +6,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.engine.types import Failed, Finished, GenerationRequest, SamplingParams, SessionKey, TextDelta, Usage
+from server.engine.types import (
+    Admitted,
+    Failed,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    SessionKey,
+    TextDelta,
+    Usage,
+)
 
 
 @dataclass
@@ -17,15 +26,19 @@ class Result:
     usage: Usage | None = None
     error: Failed | None = None
     logprobs: list = field(default_factory=list)
+    admitted: Admitted | None = None
 
 
-async def run(engine, prompt_ids, session: str | None = None, rid: str = "r", **params) -> Result:
+async def run(engine, prompt_ids, session: str | None = None, rid: str = "r", snapshot=None, **params) -> Result:
     params.setdefault("temperature", 0.0)
     key = SessionKey("default", session) if session else None
-    handle = engine.submit(GenerationRequest(rid, list(prompt_ids), SamplingParams(**params), key))
+    request = GenerationRequest(rid, list(prompt_ids), SamplingParams(**params), key, snapshot=snapshot)
+    handle = engine.submit(request)
     out = Result()
     async for event in handle:
-        if isinstance(event, TextDelta):
+        if isinstance(event, Admitted):
+            out.admitted = event
+        elif isinstance(event, TextDelta):
             out.token_ids += event.token_ids
             out.text += event.text
             out.logprobs += event.logprobs or []

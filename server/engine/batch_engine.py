@@ -214,8 +214,8 @@ class BatchEngine:
         if deficit <= 0 or not tiers.is_enabled:
             return
         for key, token_ids in self.store.idle_transcripts(self.model_id):
-            blocks, _num_tokens = offload.chain_blocks(self.blocks, key.tenant, token_ids)
-            if blocks and not tiers.covers(key, token_ids):
+            blocks, num_tokens = offload.chain_blocks(self.blocks, key.tenant, token_ids)
+            if blocks and not tiers.covers(key, token_ids[:num_tokens]):  # never replace a longer copy
                 snapshot = offload.gather(self.pool, self.blocks, key, token_ids, self.model_id, self.fingerprint)
                 tiers.put(snapshot)
                 self.num_spilled += 1
@@ -228,7 +228,8 @@ class BatchEngine:
         saved = 0
         with self.blocks.lock:
             for key, token_ids in self.store.idle_transcripts(self.model_id):
-                if self.store.tiers.covers(key, token_ids):
+                num_tokens = offload.chain_blocks(self.blocks, key.tenant, token_ids)[1]
+                if not num_tokens or self.store.tiers.covers(key, token_ids[:num_tokens]):
                     continue
                 snapshot = offload.gather(self.pool, self.blocks, key, token_ids, self.model_id, self.fingerprint)
                 if snapshot is not None:

@@ -193,6 +193,7 @@ class KVStore:
     def view(self, key: SessionKey) -> Entry | None:
         """A detached copy of the record (transcript, turns, messages, record), for building a prompt."""
         with self._lock:
+            self._expire_locked()
             entry = self._entries.get(key)
             if entry is None:
                 return None

@@ -154,8 +154,9 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
 
 
 def _read_template(spec: ModelSpec) -> str:
-    path = Path(spec.base_dir) / spec.chat_template
-    return path.read_text() if path.is_file() else spec.chat_template
+    if "{{" in spec.chat_template or "{%" in spec.chat_template:
+        return spec.chat_template  # a template, not a path (one may be longer than a file name may be)
+    return (Path(spec.base_dir) / spec.chat_template).read_text()
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

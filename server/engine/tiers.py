@@ -123,6 +123,11 @@ class TierStore:
         if self.directory is not None:
             self._queue.join()
 
+    def flush_pending(self) -> None:
+        """Wait until the snapshots already on their way to disk are written."""
+        if self.directory is not None:
+            self._queue.join()
+
     # -- moving up ----------------------------------------------------------------------
     def peek_tokens(self, key: SessionKey) -> int:
         """How many tokens the best snapshot of `key` holds (0: none), without loading it."""

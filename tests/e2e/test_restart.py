@@ -1,0 +1,157 @@
+"""Restarts of a real server process: SIGTERM drains and saves K/V, SIGKILL loses no completed turn."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+CHAT = "/v1/chat/completions"
+
+
+class Server:
+    def __init__(self, model_dir: Path, state_dir: Path, log_path: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        args = ["serve", "--model", str(model_dir), "--port", str(self.port), "--state-dir", str(state_dir)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVSERVE_SHUTDOWN_GRACE_S": "60"}
+        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "server", *args], stdout=self.log, stderr=self.log, env=env)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(self.base + "/ready").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.1)
+
+    def stop(self, sig: int, timeout_s: float = 60) -> int:
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout_s)
+        self.log.close()
+        return code
+
+
+def chat(base: str, sid: str, messages: list[dict], **extra) -> httpx.Response:
+    body = {"model": "model", "session_id": sid, "messages": messages, "temperature": 0, "max_tokens": 8, **extra}
+    return httpx.post(base + CHAT, json=body, timeout=60)
+
+
+def two_turns(base: str, sid: str, first: str = "Hello world") -> list[dict]:
+    messages = []
+    for user in (first, "Paris is"):
+        messages.append({"role": "user", "content": user})
+        r = chat(base, sid, messages)
+        assert r.status_code == 200, r.text
+        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    return messages
+
+
+def session(base: str, sid: str) -> dict:
+    return httpx.get(f"{base}/v1/sessions/{sid}").json()
+
+
+@pytest.fixture()
+def model_dir(tiny_spec, tmp_path) -> Path:
+    """The tiny model in a directory named "model": `--model DIR` serves it under that id."""
+    return Path(shutil.copytree(tiny_spec.source, tmp_path / "model"))
+
+
+def stream_in_thread(base: str, out: list) -> threading.Thread:
+    def read() -> None:
+        body = {"model": "model", "messages": [{"role": "user", "content": "Tell"}], "max_tokens": 1500}
+        body |= {"stream": True, "ignore_eos": True, "temperature": 0}
+        with httpx.stream("POST", base + CHAT, json=body, timeout=120) as r:
+            out.extend(r.iter_lines())
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigterm_drains_then_sessions_come_back_with_their_kv(model_dir, tmp_path):
+    state = tmp_path / "state"
+    server = Server(model_dir, state, tmp_path / "log.txt")
+    sids = [httpx.post(server.base + "/v1/sessions", json={"system": "Be brief."}).json()["id"] for _ in range(2)]
+    firsts = ["Hello", "Numbers 0123"]
+    conversations = {sid: two_turns(server.base, sid, first) for sid, first in zip(sids, firsts, strict=True)}
+    before = {sid: session(server.base, sid) for sid in sids}
+    lines: list[str] = []
+    reader = stream_in_thread(server.base, lines)
+    while not lines:
+        time.sleep(0.01)
+    server.proc.send_signal(signal.SIGTERM)
+    refused = None
+    for _ in range(200):  # the drain starts at once; new requests are refused while the stream goes on
+        refused = chat(server.base, sids[0], conversations[sids[0]] + [{"role": "user", "content": "x"}])
+        if refused.status_code == 503:
+            break
+        time.sleep(0.02)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert httpx.get(server.base + "/ready").status_code == 503
+    reader.join(120)
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]  # the stream finished whole
+    assert server.proc.wait(60) == 0
+    server.log.close()
+    snapshots = {p.name for p in (state / "kv").rglob("*.safetensors")}
+    assert snapshots >= {f"session-{sid}.safetensors" for sid in sids}
+    # Break one snapshot: it must be skipped with a warning and recomputed, never crash the server.
+    broken = next((state / "kv").rglob(f"session-{sids[1]}.safetensors"))
+    data = bytearray(broken.read_bytes())
+    data[-1] ^= 0xFF
+    broken.write_bytes(bytes(data))
+
+    again = Server(model_dir, state, tmp_path / "log.txt")
+    try:
+        listed = {s["id"]: s for s in httpx.get(again.base + "/v1/sessions").json()["data"]}
+        for sid in sids:  # listed at once, before any turn restores anything
+            assert listed[sid]["turns"] == 2 and listed[sid]["transcript_tokens"] == before[sid]["transcript_tokens"]
+            assert listed[sid]["cache"]["disk"]["tokens"] > 0 and listed[sid]["cache"]["device"]["tokens"] == 0
+        for sid, is_intact in zip(sids, [True, False], strict=True):
+            r = chat(again.base, sid, conversations[sid] + [{"role": "user", "content": "The quick"}])
+            assert r.status_code == 200, r.text
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if is_intact:
+                assert r.headers["X-Cache-Source"] == "disk" and r.headers["X-Cache"] == "partial"
+                assert cached == before[sid]["transcript_tokens"] - 1
+            else:  # its turns recomputed; only what it shares with the first session (system prompt) is reused
+                assert r.headers["X-Cache-Source"] in ("device", "none")
+                assert cached < before[sid]["transcript_tokens"] - 8
+            assert session(again.base, sid)["turns"] == 3
+    finally:
+        assert again.stop(signal.SIGTERM) == 0
+    assert "checksum mismatch" in (tmp_path / "log.txt").read_text()
+
+
+def test_sigkill_loses_no_completed_turn(model_dir, tmp_path):
+    state = tmp_path / "state"
+    server = Server(model_dir, state, tmp_path / "log.txt")
+    messages = two_turns(server.base, "kept")
+    before = session(server.base, "kept")
+    server.stop(signal.SIGKILL)  # right after the second turn's response: no chance to save anything else
+    again = Server(model_dir, state, tmp_path / "log.txt")
+    try:
+        after = session(again.base, "kept")
+        assert after["turns"] == 2 and after["transcript_tokens"] == before["transcript_tokens"]
+        r = chat(again.base, "kept", messages + [{"role": "user", "content": "The quick"}])
+        assert r.status_code == 200 and r.headers["X-Cache"] == "miss"  # the K/V is recomputed
+        transcript_ids = before["transcript_tokens"]
+        assert r.json()["usage"]["prompt_tokens"] > transcript_ids  # the transcript, then the new turn
+        assert session(again.base, "kept")["turns"] == 3
+    finally:
+        again.stop(signal.SIGTERM)
