@@ -47,9 +47,12 @@ ENV KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000 \
     KVSERVE_MODELS_FILE=/app/models/models.toml \
     KVSERVE_CACHE_DIR=/var/lib/kvserve/cache \
+    KVSERVE_STATE_DIR=/var/lib/kvserve/state \
     HF_HUB_OFFLINE=1
 VOLUME ["/app/models", "/var/lib/kvserve"]
 EXPOSE 8000
+# SIGTERM drains (KVSERVE_SHUTDOWN_GRACE_S, 10 s) and then writes the sessions' K/V: give it
+# `docker run --stop-timeout 40` / compose `stop_grace_period: 40s` (docker's default is 10 s).
 STOPSIGNAL SIGTERM
 # start period covers the one-time GGUF conversion (~40 s on 2 CPU cores) plus loading
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \

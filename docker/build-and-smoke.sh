@@ -3,7 +3,8 @@
 # Follows ../shared/CONTAINERS.md: a debootstrap base (no registry), engine config in a scratch
 # containers.conf (nothing written under /etc), torch from a local wheelhouse.
 # Checks: /ready, a streamed chat turn on a session, a second turn reporting cached tokens,
-# the HEALTHCHECK, a non-root process, and `podman stop` ending it with exit code 0.
+# the HEALTHCHECK, a non-root process, `podman stop` ending it with exit code 0, and after a restart on
+# the same volume the session listed with its turns and its next turn's K/V restored from disk.
 # Exits non-zero on any failure; removes the container and volumes it started.
 set -euo pipefail
 
@@ -72,19 +73,23 @@ size=$(podman image inspect "$IMAGE" --format '{{.Size}}')
 echo "image $IMAGE: $((size / 1000000)) MB"
 
 step "run with the port published on 127.0.0.1:$PORT"
-podman run -d --init --name "$NAME" -p "127.0.0.1:$PORT:8000" \
+podman run -d --init --name "$NAME" -p "127.0.0.1:$PORT:8000" --stop-timeout "$STOP_TIMEOUT" \
     -v "$NAME-state:/var/lib/kvserve" -v "$NAME-models:/app/models" "$IMAGE" >/dev/null
 base="http://127.0.0.1:$PORT"
 
+wait_ready() {
+    for _ in $(seq 1 300); do
+        code=$(curl -s -o /dev/null -w '%{http_code}' "$base/ready" || true)
+        [ "$code" = 200 ] && break
+        [ "$(podman inspect "$NAME" --format '{{.State.Running}}')" = true ] || { podman logs "$NAME"; fail "container exited"; }
+        sleep 1
+    done
+    [ "$code" = 200 ] || { podman logs "$NAME" | tail -20; fail "/ready never answered 200 (last: $code)"; }
+    curl -s "$base/ready"; echo
+}
+
 step "wait for /ready (first start converts the GGUF into the state volume)"
-for _ in $(seq 1 300); do
-    code=$(curl -s -o /dev/null -w '%{http_code}' "$base/ready" || true)
-    [ "$code" = 200 ] && break
-    [ "$(podman inspect "$NAME" --format '{{.State.Running}}')" = true ] || { podman logs "$NAME"; fail "container exited"; }
-    sleep 1
-done
-[ "$code" = 200 ] || { podman logs "$NAME" | tail -20; fail "/ready never answered 200 (last: $code)"; }
-curl -s "$base/ready"; echo
+wait_ready
 
 chat() {  # $1: messages JSON; prints the SSE stream
     curl -sN "$base/v1/chat/completions" -H 'Content-Type: application/json' -H 'X-Session-ID: smoke' \
@@ -133,5 +138,24 @@ exit_code=$(podman inspect "$NAME" --format '{{.State.ExitCode}}')
 echo "stopped in $(($(date +%s) - start)) s, exit code $exit_code"
 podman logs "$NAME" 2>&1 | tail -4
 [ "$exit_code" = 0 ] || fail "exit code $exit_code after SIGTERM"
+
+step "restart on the same volumes: session 'smoke' is back, its K/V restored from disk"
+podman start "$NAME" >/dev/null
+wait_ready
+curl -s "$base/v1/sessions/smoke" | tee /dev/stderr | "$PY" -c '
+import json, sys
+s = json.load(sys.stdin)
+assert s["turns"] == 2 and s["cache"]["disk"]["tokens"] > 0, s'
+echo
+a2=$("$PY" -c 'import json,sys; print(json.dumps(sys.argv[1]))' "$answer2")
+q3="${q2%]}, {\"role\": \"assistant\", \"content\": $a2}, {\"role\": \"user\", \"content\": \"And of Italy?\"}]"
+headers=$(curl -s -D - -o "$SCRATCH/turn3.json" "$base/v1/chat/completions" -H 'Content-Type: application/json' \
+    -H 'X-Session-ID: smoke' -d "{\"model\": \"$MODEL\", \"max_tokens\": 24, \"temperature\": 0, \"messages\": $q3}")
+echo "$headers" | grep -i '^x-cache'
+cat "$SCRATCH/turn3.json"; echo
+echo "$headers" | grep -qi '^x-cache-source: disk' || fail "turn 3 did not restore the session's K/V from disk"
+podman stop "$NAME" >/dev/null
+exit_code=$(podman inspect "$NAME" --format '{{.State.ExitCode}}')
+[ "$exit_code" = 0 ] || fail "exit code $exit_code after the second SIGTERM"
 
 step "SMOKE PASSED (image $((size / 1000000)) MB)"

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.engine.batch_engine import BatchEngine, PoolConfig
+from server.engine.journal import Journal
 from server.engine.kv_store import KVStore
 from server.engine.paged_attention import unpageable_reason
 from server.engine.registry import ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
-from server.engine.session import Journal
 from server.engine.tiers import TierStore
 from server.engine.worker import Engine
 from server.settings import Settings, default_host_kv_budget, default_kv_budget
@@ -42,6 +42,7 @@ class ModelHost:
         journal = Journal(state / "sessions" if state else None)
         self.store = KVStore(budget, settings.session_ttl_s, journal=journal, tiers=tiers)
         num_sessions, num_snapshots = self.store.restore(), tiers.scan()
+        num_snapshots -= tiers.retain(self.store.keys())  # snapshots of sessions no record knows
         if state:
             log.info("state in %s: %d sessions and %d K/V snapshots found", state, num_sessions, num_snapshots)
         self._thread = threading.Thread(target=self._load_all, name="model-loader", daemon=True)

@@ -10,6 +10,7 @@ changes, so nothing is appended twice.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -25,7 +26,7 @@ from server.engine.types import Failed, Finished, GenerationRequest, SamplingPar
 from server.errors import ENGINE_STATUS, ApiError, error_body
 from server.prompts import output_budget
 from server.response_schemas import ResponseRequest
-from server.serving import Serving, cache_headers
+from server.serving import Serving, cache_headers, cancel_on_disconnect
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
@@ -53,7 +54,7 @@ def response_object(response_id: str, model: str, record: dict, parent: str | No
     status, text = data.get("status", "in_progress"), data.get("output_text")
     output = []
     if text is not None:
-        item_status = "completed" if status in ("completed", "incomplete") else status
+        item_status = status if status in ("completed", "incomplete") else "in_progress"
         output.append(message_item(response_id, item_status, text))
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {
@@ -149,7 +150,7 @@ class Responses:
         headers = cache_headers(admitted)
         if req.stream:
             return EventSourceResponse(run.events(handle), headers=headers, sep="\n", ping=15)
-        return await run.collect(handle, headers)
+        return await run.collect(handle, http, headers)
 
     def get(self, response_id: str, tenant: str) -> dict:
         entry = self.store.view(SessionKey(tenant, response_id, "response"))
@@ -170,20 +171,23 @@ class _Run:
         self.response_id, self.model, self.record, self.parent = response_id, model, record, parent
         self.key, self.store = key, store
         self.sequence_number = 0
+        self.is_finished = False
 
     def _object(self, **state) -> dict:
         return response_object(self.response_id, self.model, self.record, self.parent, **state)
 
     def _finished(self, text: str, event: Finished) -> dict:
+        self.is_finished = True
         status = "completed" if event.finish_reason == "stop" else "incomplete"
         return self._object(status=status, output_text=text, usage=event.usage)
 
-    def _failed(self, event: Failed) -> None:
-        if self.key is not None:
-            self.store.delete(self.key)  # nothing to continue from: a failed response is not kept
+    def _failed(self) -> None:
+        if self.key is not None and not self.is_finished:
+            self.store.delete(self.key)  # nothing to continue from: a failed or abandoned response is not kept
 
-    async def collect(self, handle: RequestHandle, headers: dict) -> JSONResponse:
+    async def collect(self, handle: RequestHandle, http: Request, headers: dict) -> JSONResponse:
         parts = []
+        watcher = asyncio.create_task(cancel_on_disconnect(http, handle))
         try:
             async for event in handle:
                 if isinstance(event, TextDelta):
@@ -191,11 +195,12 @@ class _Run:
                 elif isinstance(event, Finished):
                     return JSONResponse(self._finished("".join(parts), event), headers=headers)
                 elif isinstance(event, Failed):
-                    self._failed(event)
                     status = ENGINE_STATUS.get(event.code, 500)
                     return JSONResponse(error_body(status, event.code, event.message), status, headers=headers)
         finally:
+            watcher.cancel()
             handle.cancel()
+            self._failed()
         raise ApiError(500, "internal_error", "generation ended without a result")
 
     def _event(self, kind: str, **fields) -> ServerSentEvent:
@@ -229,8 +234,8 @@ class _Run:
                     final = self._finished(text, event)
                     yield self._event(f"response.{final['status']}", response=final)
                 elif isinstance(event, Failed):
-                    self._failed(event)
                     error = {"code": event.code, "message": event.message}
                     yield self._event("response.failed", response=self._object(status="failed", error=error))
         finally:
             handle.cancel()
+            self._failed()

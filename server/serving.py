@@ -99,9 +99,12 @@ class Serving:
             status = ENGINE_STATUS.get(exc.code, 500)
             headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
             raise ApiError(status, exc.code, exc.message, headers=headers) from exc
-        watcher = asyncio.create_task(_cancel_on_disconnect(http, handle)) if http is not None else None
+        watcher = asyncio.create_task(cancel_on_disconnect(http, handle)) if http is not None else None
         try:
             first = await anext(handle)
+        except BaseException:  # cancelled while queued (client gone, server stopping): stop the request too
+            handle.cancel()
+            raise
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -111,7 +114,10 @@ class Serving:
 
     async def _snapshot(self, engine, key: SessionKey, gen: GenerationRequest):
         """A snapshot worth restoring: one holding more of the prompt than the device pool does."""
-        tiers = self.host.store.tiers
+        store, tiers = self.host.store, self.host.store.tiers
+        info = store.info(key)
+        if info is None or info.model_id != engine.model_id:
+            return None  # another model's session: admission answers session_model_mismatch
         if tiers.peek_tokens(key) <= engine.cached_tokens(gen.tenant, gen.prompt_ids):
             return None
         return await asyncio.to_thread(tiers.fetch, key, engine.model_id, engine.fingerprint)
@@ -159,7 +165,7 @@ def _token_texts(tokenizer):
 
 
 async def _collect(handle: RequestHandle, http: Request, meta, token_text, headers) -> JSONResponse:
-    watcher = asyncio.create_task(_cancel_on_disconnect(http, handle))
+    watcher = asyncio.create_task(cancel_on_disconnect(http, handle))
     parts, logprobs, offset = [], [], 0
     try:
         async for event in handle:
@@ -179,7 +185,7 @@ async def _collect(handle: RequestHandle, http: Request, meta, token_text, heade
     raise ApiError(500, "internal_error", "generation ended without a result")
 
 
-async def _cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
+async def cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
     """The body is already read, so the next ASGI message is the client going away."""
     while (await http.receive())["type"] != "http.disconnect":
         pass

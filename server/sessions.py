@@ -56,22 +56,30 @@ class Sessions:
         gen = GenerationRequest(f"prefill-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=0), key, timeout)
         gen.tenant, gen.messages = key.tenant, messages
         handle, _admitted = await self.serving.start(engine, gen, None, None)
-        async for event in handle:
-            if isinstance(event, Failed):
-                raise ApiError(ENGINE_STATUS.get(event.code, 500), event.code, event.message)
+        try:
+            async for event in handle:
+                if isinstance(event, Failed):
+                    raise ApiError(ENGINE_STATUS.get(event.code, 500), event.code, event.message)
+        finally:
+            handle.cancel()  # a no-op once finished; stops the prefill when this request is cancelled
 
-    def describe(self, key: SessionKey) -> dict:
+    def describe(self, key: SessionKey, with_sharing: bool = True) -> dict:
+        """`with_sharing=False` (lists) skips the exclusive/shared split, which walks the tenant's other sessions."""
         info = self.store.info(key)
         if info is None or info.key.kind != key.kind:
             raise not_found(key.name)
         engine = self.host.engines.get(info.model_id)
         transcript = self.store.transcript(key)
         if engine is not None:
-            device = engine.residency(key, transcript, self.store.others(key, info.model_id))
+            others = self.store.others(key, info.model_id) if with_sharing else []
+            device = engine.residency(key, transcript, others)
             device_tokens, exclusive, shared = device.num_tokens, device.exclusive_bytes, device.shared_bytes
         else:
             device_tokens = exclusive = shared = 0
         lower = self.store.tiers.usage(key)
+        device_usage = _tier(device_tokens, exclusive, shared)
+        if not with_sharing:
+            device_usage["exclusive_bytes"] = device_usage["shared_bytes"] = None
         return {
             "id": key.name,
             "object": "session",
@@ -86,7 +94,7 @@ class Sessions:
             "in_use": info.is_in_use,
             "parent": info.parent,
             "cache": {
-                "device": _tier(device_tokens, exclusive, shared),
+                "device": device_usage,
                 "host": _tier(lower.host_tokens, lower.host_bytes, 0),  # snapshots are per session
                 "disk": _tier(lower.disk_tokens, lower.disk_bytes, 0),
             },
@@ -100,7 +108,7 @@ class Sessions:
         page = infos[:limit]
         return {
             "object": "list",
-            "data": [self.describe(i.key) for i in page],
+            "data": [self.describe(i.key, with_sharing=False) for i in page],
             "has_more": len(infos) > limit,
             "last_id": page[-1].key.name if page else None,
         }

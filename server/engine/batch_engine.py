@@ -20,9 +20,10 @@ from server.engine.generate import ForwardCounter
 from server.engine.handle import RequestHandle
 from server.engine.inbox import SHUTTING_DOWN, Inbox
 from server.engine.kv_cache import bytes_per_token, kv_layout
-from server.engine.kv_store import KVStore, common_prefix_len
+from server.engine.kv_store import KVStore
 from server.engine.paged_attention import KVPool, install
 from server.engine.registry import LoadedModel
+from server.engine.session import common_prefix_len
 from server.engine.snapshot import fingerprint
 from server.engine.types import Admitted, EngineError, Failed, Finished, GenerationRequest, SessionKey
 
@@ -69,8 +70,8 @@ class BatchEngine:
         layout = kv_layout(loaded.model.config)  # (layers, kv_heads, head_dim)
         self.pool = KVPool(*layout, num_blocks, config.block_size, loaded.dtype, loaded.device)
         install(loaded.model)
-        self.fingerprint = fingerprint(*layout, loaded.dtype)
-        self.num_spilled = 0
+        self.fingerprint = fingerprint(*layout, loaded.dtype, loaded.model)
+        self.offloader = offload.Offloader(self.pool, self.blocks, store, self.model_id, self.fingerprint)
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
         self.max_batch_seen = 0
         self._inbox = Inbox(store)
@@ -132,8 +133,8 @@ class BatchEngine:
         torch.set_grad_enabled(False)
         while not self._inbox.is_closed:
             is_idle = not self._running and not self._waiting
-            self._waiting += self._inbox.take(is_idle, self._new_sequence)
             try:
+                self._waiting += self._inbox.take(is_idle, self._new_sequence)
                 self._drop_cancelled()
                 self._admit()
                 if self._running:
@@ -171,7 +172,7 @@ class BatchEngine:
         if num_restore:
             shared = shared[: num_restore // bs]
         need = -(-(len(prompt) + seq.request.params.max_tokens) // bs) - len(shared)
-        self._spill(need)
+        self.offloader.spill(need)
         if not self.blocks.can_reserve(need, shared):
             return False
         self.blocks.reserve(need)
@@ -179,7 +180,14 @@ class BatchEngine:
         seq.blocks, seq.num_reserved = list(shared), need
         if num_restore:
             snapshot = seq.request.snapshot
-            restored = offload.restore(self.pool, self.blocks, seq.salt, shared, snapshot, num_restore)
+            try:
+                restored = offload.restore(self.pool, self.blocks, seq.salt, shared, snapshot, num_restore)
+            except Exception:  # e.g. out of memory: compute what the snapshot would have given
+                log.exception("request %s: restoring K/V from a snapshot failed", seq.request.request_id)
+                seq.num_cached = len(shared) * bs
+                seq.fed_ids = prompt[: seq.num_cached]
+                seq.handle.push(Admitted(len(prompt), seq.num_cached, "device" if shared else "none"))
+                return True
             seq.blocks += restored
             seq.num_reserved -= len(restored)
             seq.num_cached, seq.fed_ids = num_restore, prompt[:num_restore]
@@ -207,35 +215,10 @@ class BatchEngine:
         num_tokens = min(common_prefix_len(snapshot.token_ids, prompt), len(prompt) - 1)
         return num_tokens if num_tokens > num_in_pool else 0
 
-    def _spill(self, num_needed: int) -> None:
-        """Before the pool evicts cached blocks, copy idle sessions' K/V down a tier, least recently used first."""
-        tiers = self.store.tiers
-        deficit = num_needed - (self.blocks.num_free - self.blocks.num_reserved)
-        if deficit <= 0 or not tiers.is_enabled:
-            return
-        for key, token_ids in self.store.idle_transcripts(self.model_id):
-            blocks, num_tokens = offload.chain_blocks(self.blocks, key.tenant, token_ids)
-            if blocks and not tiers.covers(key, token_ids[:num_tokens]):  # never replace a longer copy
-                snapshot = offload.gather(self.pool, self.blocks, key, token_ids, self.model_id, self.fingerprint)
-                tiers.put(snapshot)
-                self.num_spilled += 1
-            deficit -= sum(1 for b in blocks if b.ref_count == 0)
-            if deficit <= 0:
-                return
-
     def save_sessions(self) -> int:
         """At shutdown (engine stopped): every idle session's K/V in the pool goes to the tiers."""
-        saved = 0
         with self.blocks.lock:
-            for key, token_ids in self.store.idle_transcripts(self.model_id):
-                num_tokens = offload.chain_blocks(self.blocks, key.tenant, token_ids)[1]
-                if not num_tokens or self.store.tiers.covers(key, token_ids[:num_tokens]):
-                    continue
-                snapshot = offload.gather(self.pool, self.blocks, key, token_ids, self.model_id, self.fingerprint)
-                if snapshot is not None:
-                    self.store.tiers.put(snapshot)
-                    saved += 1
-        return saved
+            return self.offloader.save_all()
 
     def _step(self) -> None:
         rows = plan(self._running, self.config.max_batch_tokens)
@@ -298,12 +281,17 @@ class BatchEngine:
             self._waiting.remove(seq)
         else:
             return  # already finished
-        with self.blocks.lock:
-            self.blocks.release(seq.blocks, keep_contents=seq.use_cache)
-            self.blocks.unreserve(seq.num_reserved)
-            seq.blocks, seq.num_reserved = [], 0
-        if seq.entry is not None:  # the transcript is journaled here, before the client hears of the end
-            turn = seq.completed_turn(event.finish_reason) if is_complete else None
-            self.store.release(seq.entry, turn=turn)
-        seq.handle.push(event)
+        try:
+            with self.blocks.lock:
+                self.blocks.release(seq.blocks, keep_contents=seq.use_cache)
+                self.blocks.unreserve(seq.num_reserved)
+                seq.blocks, seq.num_reserved = [], 0
+            if seq.entry is not None:  # the transcript is journaled here, before the client hears of the end
+                turn = seq.completed_turn(event.finish_reason) if is_complete else None
+                self.store.release(seq.entry, turn=turn)
+        except Exception:
+            log.exception("request %s: finishing failed", seq.request.request_id)
+            event = Failed("internal_error", "the turn could not be recorded; the session is as before it")
+        finally:
+            seq.handle.push(event)
         log.debug("request %s done: %s in %.3f s", seq.request.request_id, event, time.monotonic() - seq.started)

@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from server.engine.kv_store import common_prefix_len
+from server.engine.session import common_prefix_len
 
 
 @dataclass(slots=True, eq=False)

@@ -14,31 +14,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
+from server.engine.journal import Journal
 from server.engine.kv_cache import cache_nbytes, shrink_cache
-from server.engine.session import CompletedTurn, Entry, Journal, SessionInfo, info_of
+from server.engine.session import CompletedTurn, Entry, SessionInfo, StoreStats, common_prefix_len, info_of
 from server.engine.tiers import TierStore
-from server.engine.types import InvalidTurn, SessionBusy, SessionKey, SessionModelMismatch, SessionNotFound
+from server.engine.types import SessionBusy, SessionKey, SessionModelMismatch, SessionNotFound
 
 log = logging.getLogger("kvserve.sessions")
-
-
-@dataclass(slots=True)
-class StoreStats:
-    num_entries: int
-    nbytes: int
-    num_evictions: int
-    num_expired: int
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class KVStore:
@@ -64,6 +49,8 @@ class KVStore:
 
     # -- creating and restoring ---------------------------------------------------
     def _new_entry(self, key: SessionKey, model_id: str, ttl_s: float | None) -> Entry:
+        self.journal.revive(key)
+        self.tiers.revive(key)
         now, wall = self._clock(), self._wall()
         ttl = self.ttl_s if ttl_s is None else ttl_s
         return Entry(key, model_id, ttl_s=ttl, created_at=wall, last_use=now, last_use_wall=wall)
@@ -84,18 +71,14 @@ class KVStore:
 
     def restore(self) -> int:
         """At start: every session a previous run journaled, without K/V (restored lazily). Returns the count."""
-        loaded = 0
-        for data in self.journal.load_all():
-            try:
-                entry = Entry.from_record(data, self._clock(), self._wall())
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("skipping a session record: %s", exc)
-                continue
-            with self._lock:
+        entries, unfinished = self.journal.load_entries(self._clock(), self._wall())
+        for key in unfinished:
+            self._forget(key)  # responses the server stopped before making: nothing to continue from
+        with self._lock:
+            for entry in entries:
                 self._entries.setdefault(entry.key, entry)
-                loaded += 1
         self.expire()
-        return loaded
+        return len(entries)
 
     # -- admission (event loop) -------------------------------------------------
     def acquire(self, key: SessionKey, model_id: str) -> Entry | None:
@@ -148,20 +131,32 @@ class KVStore:
             except Exception:  # e.g. out of memory while copying: dropping the cache is always safe
                 cache, cached_ids = None, []
         nbytes = cache_nbytes(cache) if cache is not None else 0
-        record = None
-        with self._lock:
-            if not keep_cache:
-                entry.cache, entry.cached_ids, entry.nbytes = cache, list(cached_ids), nbytes
+        staged = None
+        try:
             if turn is not None:
-                entry.apply(turn)
-            entry.is_in_use = False
-            entry.last_use, entry.last_use_wall = self._clock(), self._wall()
-            is_live = self._entries.get(entry.key) is entry
-            if is_live:
-                self._evict_locked(0)
-                record = entry.to_record() if turn is not None else None
+                staged = self._journal_turn(entry, turn)  # on disk before the client hears the turn ended
+        finally:
+            with self._lock:
+                if not keep_cache:
+                    entry.cache, entry.cached_ids, entry.nbytes = cache, list(cached_ids), nbytes
+                if staged is not None:
+                    entry.transcript_ids, entry.turns = staged.transcript_ids, staged.turns
+                    entry.messages, entry.record = staged.messages, staged.record
+                entry.is_in_use = False
+                entry.last_use, entry.last_use_wall = self._clock(), self._wall()
+                if self._entries.get(entry.key) is entry:
+                    self._evict_locked(0)
+
+    def _journal_turn(self, entry: Entry, turn: CompletedTurn) -> Entry:
+        """The entry with `turn` applied, written to the journal; raises (disk full...) with nothing changed."""
+        with self._lock:
+            staged = replace(entry, turns=list(entry.turns), record=dict(entry.record), cache=None)
+            staged.apply(turn)
+            staged.last_use_wall = self._wall()
+            record = staged.to_record() if self._entries.get(entry.key) is entry else None
         if record is not None:
-            self.journal.save(entry.key, record)  # deleted while running: this state belongs to nobody
+            self.journal.save(entry.key, record)  # Journal.save skips a session deleted meanwhile
+        return staged
 
     def make_room(self, num_bytes: int) -> None:
         """Evict idle entries so that `num_bytes` more fit in the budget (as far as idle entries allow)."""
@@ -197,17 +192,7 @@ class KVStore:
             entry = self._entries.get(key)
             if entry is None:
                 return None
-            return Entry(
-                entry.key,
-                entry.model_id,
-                list(entry.transcript_ids),
-                list(entry.turns),
-                [dict(m) for m in entry.messages],
-                entry.ttl_s,
-                entry.parent,
-                dict(entry.record),
-                entry.created_at,
-            )
+            return entry.copy()
 
     def others(self, key: SessionKey, model_id: str) -> list[list[int]]:
         """Transcripts of the tenant's other sessions and responses on a model (who may share K/V blocks)."""
@@ -229,14 +214,7 @@ class KVStore:
             parent = self._entries.get(key)
             if parent is None:
                 raise SessionNotFound(f"no session {key.name!r}")
-            _check_turn(parent, num_turns)
-            turns = list(parent.turns[: num_turns + 1])
-            fields = {
-                "transcript_ids": list(parent.transcript_ids[: turns[-1].end]),
-                "messages": [dict(m) for m in parent.messages[: turns[-1].num_messages]],
-                "turns": turns,
-                "parent": key.name,
-            }
+            fields = parent.branch(num_turns)
             ttl = parent.ttl_s if ttl_s is None else ttl_s
         return self.create(new_key, parent.model_id, ttl, **fields)
 
@@ -247,7 +225,7 @@ class KVStore:
                 raise SessionNotFound(f"no session {key.name!r}")
             if entry.is_in_use:
                 raise SessionBusy(f"session {key.name!r} has a request in flight")
-            _check_turn(entry, num_turns)
+            entry.check_turn(num_turns)
             entry.cut(num_turns)
             entry.cache, entry.cached_ids, entry.nbytes = None, [], 0
             entry.last_use, entry.last_use_wall = self._clock(), self._wall()
@@ -273,8 +251,21 @@ class KVStore:
             self._expire_locked()
 
     def _forget(self, key: SessionKey) -> None:
-        self.journal.delete(key)
-        self.tiers.drop(key)
+        if key.is_bucket:
+            return  # a bucket has no files
+        try:
+            self.journal.delete(key)
+            self.tiers.drop(key)
+        except Exception:  # never let a file system error escape into the engine's idle tick
+            log.exception("removing the files of session %s failed", key.name)
+
+    def keys(self) -> set[SessionKey]:
+        with self._lock:
+            return set(self._entries)
+
+    def is_live(self, key: SessionKey) -> bool:
+        with self._lock:
+            return key in self._entries
 
     # -- internals (lock held) --------------------------------------------------
     def _evict_locked(self, extra_bytes: int) -> None:
@@ -303,8 +294,3 @@ class KVStore:
             self.num_expired += 1
             self._forget(key)  # file unlinks: quick enough to do under the lock
         return expired
-
-
-def _check_turn(entry: Entry, num_turns: int) -> None:
-    if not 0 <= num_turns <= entry.num_turns:
-        raise InvalidTurn(f"turn must be between 0 and {entry.num_turns}, the session's number of turns")

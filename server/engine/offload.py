@@ -8,12 +8,16 @@ so the request that restored them, and any later one, finds them like computed b
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from server.engine.block_manager import Block, BlockManager
 from server.engine.paged_attention import KVPool
 from server.engine.snapshot import Snapshot
 from server.engine.types import SessionKey
+
+log = logging.getLogger("kvserve.engine")
 
 
 def chain_blocks(manager: BlockManager, salt: str, token_ids: list[int]) -> tuple[list[Block], int]:
@@ -57,16 +61,71 @@ def restore(
     snapshot.wait()
     bs = manager.block_size
     parent = shared[-1].hash if shared else manager.root(salt)
-    prefer = shared[-1].block_id + 1 if shared else None
+    prefer = shared[-1].block_id + 1 if shared else None  # contiguous with the shared prefix when free
+    first = len(shared) * bs
     restored: list[Block] = []
-    for start in range(len(shared) * bs, num_tokens, bs):
-        end = min(start + bs, num_tokens)
-        block = manager.allocate(prefer)
-        dst = block.block_id * bs
+    for _start in range(first, num_tokens, bs):  # from the request's reservation
+        restored.append(manager.allocate(prefer))
+        prefer = restored[-1].block_id + 1
+    try:
+        slots = [b.block_id * bs + offset for b in restored for offset in range(bs)][: num_tokens - first]
+        index = torch.tensor(slots, dtype=torch.long, device=pool.device)
         for pool_k, pool_v, k, v in zip(pool.k, pool.v, snapshot.k, snapshot.v, strict=True):
-            pool_k[:, dst : dst + end - start].copy_(k[:, start:end], non_blocking=True)
-            pool_v[:, dst : dst + end - start].copy_(v[:, start:end], non_blocking=True)
-        manager.record(block, parent, list(snapshot.token_ids[start:end]))
-        restored.append(block)
-        parent, prefer = block.hash, block.block_id + 1
+            # one copy per layer: [kv_heads, tokens, head_dim] into the blocks' slots
+            pool_k.index_copy_(1, index, k[:, first:num_tokens].to(pool.device, non_blocking=True))
+            pool_v.index_copy_(1, index, v[:, first:num_tokens].to(pool.device, non_blocking=True))
+    except BaseException:
+        manager.release(restored, keep_contents=False)  # nothing was published: no one can see these
+        manager.reserve(len(restored))  # back to the request's reservation
+        raise
+    for block, start in zip(restored, range(first, num_tokens, bs), strict=True):  # published once written
+        manager.record(block, parent, list(snapshot.token_ids[start : min(start + bs, num_tokens)]))
+        parent = block.hash
     return restored
+
+
+class Offloader:
+    """Which sessions' K/V leave the pool for the tiers, and when (the engine thread's side)."""
+
+    def __init__(self, pool: KVPool, manager: BlockManager, store, model_id: str, fingerprint: str) -> None:
+        self.pool, self.manager, self.store = pool, manager, store
+        self.model_id, self.fingerprint = model_id, fingerprint
+        self.num_spilled = 0
+
+    def spill(self, num_needed: int) -> None:
+        """Before the pool evicts cached blocks, copy idle sessions' K/V down a tier, least recently used first."""
+        tiers = self.store.tiers
+        deficit = num_needed - (self.manager.num_free - self.manager.num_reserved)
+        if deficit <= 0 or not tiers.is_enabled:
+            return
+        for key, token_ids in self.store.idle_transcripts(self.model_id):
+            blocks, num_tokens = chain_blocks(self.manager, key.tenant, token_ids)
+            if blocks and not tiers.covers(key, token_ids[:num_tokens]):  # never replace a longer copy
+                self.save(key, token_ids)
+            deficit -= sum(1 for b in blocks if b.ref_count == 0)
+            if deficit <= 0:
+                return
+
+    def save_all(self) -> int:
+        saved = 0
+        for key, token_ids in self.store.idle_transcripts(self.model_id):
+            num_tokens = chain_blocks(self.manager, key.tenant, token_ids)[1]
+            if num_tokens and not self.store.tiers.covers(key, token_ids[:num_tokens]):
+                saved += self.save(key, token_ids)
+        return saved
+
+    def save(self, key: SessionKey, token_ids: list[int]) -> bool:
+        """Best effort: a session whose copy fails (e.g. out of memory) just recomputes later."""
+        try:
+            snapshot = gather(self.pool, self.manager, key, token_ids, self.model_id, self.fingerprint)
+            if snapshot is None:
+                return False
+            self.store.tiers.put(snapshot)
+        except Exception:
+            log.exception("copying the K/V of session %s down a tier failed", key.name)
+            return False
+        if not self.store.is_live(key):
+            self.store.tiers.drop(key)  # deleted while it was copied
+            return False
+        self.num_spilled += 1
+        return True

@@ -1,24 +1,16 @@
-"""A session record and its journal: the transcript, turn by turn, written to disk as JSON.
+"""A session record: the token transcript turn by turn, its chat messages, and what a turn reports.
 
-The transcript is the source of truth (K/V snapshots only save recomputation), so it is
-written, atomically, when a turn completes and before the client hears that it did: a
-killed server loses no completed turn. One small JSON file per session; snapshots live
-next to it in the tier store.
+The transcript is the source of truth (K/V snapshots only save recomputation); journal.py
+writes it to disk when a turn completes, before the client hears that it did.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from server.engine.types import SessionKey, Usage
+from server.engine.types import InvalidTurn, SessionKey, Usage
 
-log = logging.getLogger("kvserve.sessions")
 RECORD_VERSION = 1
 
 
@@ -82,6 +74,33 @@ class Entry:
             self.turns = [mark]
         else:
             self.turns.append(mark)
+
+    def copy(self) -> Entry:
+        """A detached copy of the record (no cache), safe to read outside the store's lock."""
+        return replace(
+            self,
+            transcript_ids=list(self.transcript_ids),
+            turns=list(self.turns),
+            messages=[dict(m) for m in self.messages],
+            record=dict(self.record),
+            cache=None,
+            cached_ids=[],
+        )
+
+    def branch(self, num_turns: int) -> dict[str, Any]:
+        """The fields of a new session holding this one's first `num_turns` turns (a fork)."""
+        self.check_turn(num_turns)
+        turns = list(self.turns[: num_turns + 1])
+        return {
+            "transcript_ids": list(self.transcript_ids[: turns[-1].end]),
+            "messages": [dict(m) for m in self.messages[: turns[-1].num_messages]],
+            "turns": turns,
+            "parent": self.key.name,
+        }
+
+    def check_turn(self, num_turns: int) -> None:
+        if not 0 <= num_turns <= self.num_turns:
+            raise InvalidTurn(f"turn must be between 0 and {self.num_turns}, the session's number of turns")
 
     def cut(self, num_turns: int) -> None:
         """Keep turns 1..num_turns (and the base)."""
@@ -159,37 +178,17 @@ def info_of(entry: Entry) -> SessionInfo:
     )
 
 
-class Journal:
-    """One JSON file per session under `directory`; None: sessions live in memory only."""
+@dataclass(slots=True)
+class StoreStats:
+    num_entries: int
+    nbytes: int
+    num_evictions: int
+    num_expired: int
 
-    def __init__(self, directory: Path | None) -> None:
-        self.directory = directory
 
-    def path_for(self, key: SessionKey) -> Path:
-        assert self.directory is not None
-        tenant_dir = hashlib.sha256(key.tenant.encode()).hexdigest()[:16]
-        return self.directory / tenant_dir / f"{key.kind}-{key.name}.json"
-
-    def save(self, key: SessionKey, record: dict) -> None:
-        if self.directory is None or key.is_bucket:
-            return
-        path = self.path_for(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps(record, separators=(",", ":")))
-        os.replace(partial, path)  # atomic: a reader sees the old turn or the new one, never half
-
-    def delete(self, key: SessionKey) -> None:
-        if self.directory is not None:
-            self.path_for(key).unlink(missing_ok=True)
-
-    def load_all(self) -> list[dict]:
-        if self.directory is None or not self.directory.exists():
-            return []
-        records = []
-        for path in sorted(self.directory.glob("*/*.json")):
-            try:
-                records.append(json.loads(path.read_text()))
-            except (OSError, ValueError) as exc:
-                log.warning("skipping unreadable session record %s: %s", path, exc)
-        return records
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

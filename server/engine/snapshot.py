@@ -29,6 +29,14 @@ class SnapshotError(Exception):
     """A snapshot that cannot be used; the caller recomputes instead."""
 
 
+class SnapshotMismatch(SnapshotError):
+    """A sound snapshot made by another model (id or K/V layout or weights)."""
+
+    def __init__(self, message: str, model_id: str) -> None:
+        super().__init__(message)
+        self.model_id = model_id
+
+
 @dataclass(slots=True)
 class Snapshot:
     key: SessionKey
@@ -55,8 +63,17 @@ class Snapshot:
             self.ready = None
 
 
-def fingerprint(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:
-    return f"layers={num_layers},kv_heads={num_kv_heads},head_dim={head_dim},dtype={str(dtype).removeprefix('torch.')}"
+def fingerprint(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, model=None) -> str:
+    """The K/V layout, and a digest of a sample of the weights: new weights under an old id reuse nothing."""
+    text = f"layers={num_layers},kv_heads={num_kv_heads},head_dim={head_dim},dtype={str(dtype).removeprefix('torch.')}"
+    if model is None:
+        return text
+    digest = hashlib.sha256()
+    params = list(model.parameters())
+    for param in (params[0], params[len(params) // 2], params[-1]):
+        sample = param.detach().reshape(-1)[:4096].to("cpu", torch.float32).contiguous()
+        digest.update(sample.view(torch.uint8).numpy())
+    return f"{text},weights={digest.hexdigest()[:16]}"
 
 
 def _checksum(token_ids: torch.Tensor, tensors: list[torch.Tensor]) -> str:
@@ -111,7 +128,8 @@ def load(path: Path, model_id: str, expected_fingerprint: str) -> Snapshot:
             header = f.metadata() or {}
             _check_format(header)
             if header["model"] != model_id or header["fingerprint"] != expected_fingerprint:
-                raise SnapshotError(f"{path.name}: made by model {header['model']!r} ({header['fingerprint']})")
+                made_by = f"made by model {header['model']!r} ({header['fingerprint']})"
+                raise SnapshotMismatch(f"{path.name}: {made_by}", header["model"])
             num_layers = int(header["num_layers"])
             ids = f.get_tensor("token_ids")
             k = [f.get_tensor(f"k.{i}") for i in range(num_layers)]

@@ -10,7 +10,6 @@ RAM, so the host budget defaults to 0 and snapshots go straight to disk.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
@@ -19,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.engine import snapshot as snap_io
-from server.engine.snapshot import Snapshot, SnapshotError
+from server.engine.journal import Tombstones, state_path
+from server.engine.snapshot import Snapshot, SnapshotError, SnapshotMismatch
 from server.engine.types import SessionKey
 
 log = logging.getLogger("kvserve.tiers")
@@ -60,6 +60,7 @@ class TierStore:
         self._host: OrderedDict[SessionKey, Snapshot] = OrderedDict()
         self._writing: dict[SessionKey, Snapshot] = {}  # on their way to disk: still readable from memory
         self._disk: OrderedDict[SessionKey, DiskEntry] = OrderedDict()
+        self._deleted = Tombstones()
         self.stats = TierStats()
         self._queue: queue.Queue[SessionKey | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
@@ -68,15 +69,29 @@ class TierStore:
 
     # -- paths and start-up -----------------------------------------------------------
     def path_for(self, key: SessionKey) -> Path:
-        """Tenant names are hashed and ids validated upstream: no key can point outside the directory."""
+        """Tenant names are hashed and ids validated: no key can point outside the directory."""
         assert self.directory is not None
-        tenant_dir = hashlib.sha256(key.tenant.encode()).hexdigest()[:16]
-        return self.directory / tenant_dir / f"{key.kind}-{key.name}.safetensors"
+        return state_path(self.directory, key, ".safetensors")
+
+    def revive(self, key: SessionKey) -> None:
+        """A new session under a name deleted before: its snapshots may be kept again."""
+        with self._lock:
+            self._deleted.revive(key)
+
+    def retain(self, keys: set[SessionKey]) -> int:
+        """At start: drop snapshots whose session record is gone. Returns how many were dropped."""
+        with self._lock:
+            orphans = [key for key in self._disk if key not in keys]
+        for key in orphans:
+            self.drop(key)
+        return len(orphans)
 
     def scan(self) -> int:
         """Index the snapshots a previous run left on disk (headers only). Returns how many were found."""
         if self.directory is None or not self.directory.exists():
             return 0
+        for leftover in self.directory.glob("*/*.partial"):  # a write cut short by a crash
+            leftover.unlink(missing_ok=True)
         found = sorted(self.directory.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime)
         for path in found:
             try:
@@ -84,7 +99,7 @@ class TierStore:
             except SnapshotError as exc:
                 log.warning("skipping K/V snapshot %s: %s", path, exc)
                 continue
-            if path != self.path_for(key):
+            if key.kind not in ("session", "response") or path != self.path_for(key):
                 log.warning("skipping K/V snapshot %s: its header names another session", path)
                 continue
             with self._lock:
@@ -97,6 +112,8 @@ class TierStore:
         """A snapshot leaving the device: into host RAM, or on to disk when host RAM has no room."""
         with self._lock:
             key = snapshot.key
+            if key in self._deleted:
+                return  # the session was deleted while its K/V was being copied
             self._host.pop(key, None)
             self._host[key] = snapshot
             self._evict_host()
@@ -154,21 +171,34 @@ class TierStore:
             snap = snap_io.load(disk.path, model_id, fingerprint)
         except SnapshotError as exc:
             log.warning("K/V snapshot of session %s skipped, its turns will be recomputed: %s", key.name, exc)
-            self.drop(key)
+            if not (isinstance(exc, SnapshotMismatch) and exc.model_id != model_id):
+                self._forget_disk(key, disk)  # corrupt, or stale (our model id, other weights): gone
+
             return None
         with self._lock:
-            if self._disk.get(key) is disk:
-                disk.token_ids = snap.token_ids
-                self._disk.move_to_end(key)
+            if self._disk.get(key) is not disk:
+                return snap  # dropped or replaced while it was read: use it once, keep nothing
+            disk.token_ids = snap.token_ids
+            self._disk.move_to_end(key)
             if snap.nbytes <= self.host_budget_bytes:
                 self._host[key] = snap  # use brings it back up; the disk copy stays valid
                 self._evict_host()
         return snap
 
     # -- forgetting ---------------------------------------------------------------------
+    def _forget_disk(self, key: SessionKey, disk: DiskEntry) -> None:
+        """An unusable file: remove it (and only it; a newer copy in memory stays)."""
+        with self._lock:
+            if self._disk.get(key) is disk:
+                del self._disk[key]
+        disk.path.unlink(missing_ok=True)
+
     def drop(self, key: SessionKey) -> None:
         """Delete a session's snapshots from every tier (session deleted or expired)."""
+        if key.is_bucket:
+            return
         with self._lock:
+            self._deleted.add(key)
             self._host.pop(key, None)
             self._writing.pop(key, None)
             disk = self._disk.pop(key, None)

@@ -35,7 +35,7 @@ class Engine:
         self.store = store
         self.counter = ForwardCounter()
         self._forward = Forward(loaded.model, self.counter)
-        self.fingerprint = fingerprint(*kv_layout(loaded.model.config), loaded.dtype)
+        self.fingerprint = fingerprint(*kv_layout(loaded.model.config), loaded.dtype, loaded.model)
         self._inbox = Inbox(store)
         self._active: list[Sequence] = []
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.model_id}", daemon=True)
@@ -75,7 +75,10 @@ class Engine:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while not self._inbox.is_closed:
-            self._active += self._inbox.take(not self._active, lambda *item: Sequence(*item, self.loaded))
+            try:
+                self._active += self._inbox.take(not self._active, lambda *item: Sequence(*item, self.loaded))
+            except Exception:
+                log.exception("taking new requests failed")
             for seq in list(self._active):
                 self._step(seq)
         for seq in list(self._active):
@@ -123,6 +126,9 @@ class Engine:
         try:
             if seq.entry is not None:
                 self._release(seq, seq.entry, event, is_complete)
+        except Exception:
+            log.exception("request %s: finishing failed", seq.request.request_id)
+            event = Failed("internal_error", "the turn could not be recorded; the session is as before it")
         finally:
             seq.cache = None
             seq.handle.push(event)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -149,3 +150,26 @@ def test_official_client_create_and_stream(live):
     if seen[-1] == "response.completed":
         assert stream.get_final_response().output_text == text
     assert client.responses.retrieve(again.id).id == again.id
+
+
+def wait_idle(engine, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.num_active:
+        assert time.monotonic() < deadline, "generation went on after the client left"
+        time.sleep(0.01)
+
+
+def test_a_client_that_leaves_stops_its_response(live):
+    base, engine = live
+    body = {"model": "tiny", "input": "Paris is", "max_output_tokens": 3000, "temperature": 0}  # no early end
+    before = engine.counter.num_decode_tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + RESPONSES, json=body, timeout=0.3)
+    wait_idle(engine)
+    assert engine.counter.num_decode_tokens - before < 3000  # stopped, not run to its end
+    with httpx.stream("POST", base + RESPONSES, json=body | {"stream": True}, timeout=30) as r:
+        lines = r.iter_lines()
+        created = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+    wait_idle(engine)
+    # An abandoned response is not kept: nothing could continue from it.
+    assert httpx.get(f"{base}{RESPONSES}/{created['response']['id']}").status_code == 404

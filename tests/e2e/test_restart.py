@@ -18,6 +18,20 @@ import pytest
 CHAT = "/v1/chat/completions"
 
 
+SPAWNED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+    """A failing test must not leave a server running."""
+    yield
+    while SPAWNED:
+        proc = SPAWNED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
 class Server:
     def __init__(self, model_dir: Path, state_dir: Path, log_path: Path) -> None:
         with socket.socket() as s:
@@ -28,6 +42,7 @@ class Server:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVSERVE_SHUTDOWN_GRACE_S": "60"}
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "server", *args], stdout=self.log, stderr=self.log, env=env)
+        SPAWNED.append(self.proc)
         deadline = time.monotonic() + 120
         while True:
             assert self.proc.poll() is None, log_path.read_text()[-3000:]

@@ -6,9 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from server.engine.journal import Journal
 from server.engine.kv_cache import cache_nbytes, crop_cache, new_cache
 from server.engine.kv_store import KVStore
 from server.engine.session import CompletedTurn
+from server.engine.tiers import TierStore
 from server.engine.types import SessionBusy, SessionKey, SessionModelMismatch, Usage
 
 CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=8, vocab_size=50)
@@ -172,3 +174,37 @@ def test_delete_while_running_drops_the_state(store):
     assert store.delete(key("d"))
     store.release(entry, filled_cache(4), [1, 2, 3, 4], turn([1, 2, 3, 4]))
     assert store.info(key("d")) is None and store.stats().nbytes == 0
+
+
+def test_a_turn_the_journal_cannot_write_is_not_applied(tmp_path):
+    class FullDisk(Journal):
+        def save(self, key, record):
+            raise OSError(28, "No space left on device")
+
+    store = KVStore(budget_bytes=1 << 30, ttl_s=3600, journal=FullDisk(tmp_path))
+    entry = store.acquire(key("j"), "m")
+    with pytest.raises(OSError):
+        store.release(entry, turn=turn([1, 2, 3]))
+    info = store.info(key("j"))
+    assert info.num_turns == 0 and info.num_transcript_tokens == 0 and not info.is_in_use  # as before the turn
+
+
+def test_a_journal_write_after_delete_does_not_bring_the_session_back(tmp_path):
+    journal = Journal(tmp_path)
+    journal.delete(key("gone"))
+    journal.save(key("gone"), {"x": 1})
+    assert journal.load_all() == []
+    journal.revive(key("gone"))
+    journal.save(key("gone"), {"x": 1})
+    assert journal.load_all() == [{"x": 1}]
+
+
+def test_expiring_buckets_with_any_name_touch_no_files(tmp_path):
+    clock = Clock()
+    store = KVStore(1 << 30, ttl_s=1, clock=clock, journal=Journal(tmp_path), tiers=TierStore(0, 1 << 30, tmp_path))
+    for name in ("\x00", "x" * 300, "../../etc/passwd"):
+        store.release(store.acquire(SessionKey("default", name, kind="bucket"), "m"))
+    clock.now += 5
+    store.expire()  # never raises (it runs on the engine's idle tick)
+    assert store.stats().num_entries == 0 and list(tmp_path.iterdir()) == []
+    store.tiers.close()

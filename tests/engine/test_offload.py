@@ -6,9 +6,14 @@ run the same code as with CUDA, minus pinned memory and asynchronous copies.
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
+import pytest
+import torch
+
+from server.engine import offload
 from server.engine.batch_engine import BatchEngine, PoolConfig
+from server.engine.journal import Journal
 from server.engine.kv_store import KVStore
 from server.engine.tiers import TierStore
 from server.engine.types import SessionKey
@@ -51,7 +56,7 @@ async def test_evicted_session_is_restored_from_a_lower_tier_exactly(tiny, tmp_p
         ):
             await run(engine, words(tiny, text * 2), session=f"other{i}", max_tokens=4, ignore_eos=True)
         tiers.flush_pending()
-        assert engine.num_spilled >= 1
+        assert engine.offloader.num_spilled >= 1
         assert engine.cached_tokens("default", transcript) < len(transcript) - 1  # gone from the pool
         usage = tiers.usage(key)
         assert (usage.host_tokens if tier == "host" else usage.disk_tokens) == len(transcript) - 1
@@ -84,3 +89,54 @@ async def test_shutdown_saves_every_session_in_the_pool(tiny, tmp_path):
     ]
     assert engine.save_sessions() == 0  # already covered: nothing is written twice
     engine.store.tiers.close()
+
+
+async def test_a_failed_restore_falls_back_to_computing(tiny, tmp_path, monkeypatch):
+    engine = engine_with_tiers(tiny, tmp_path, host_budget=1 << 30)
+    try:
+        prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
+        first = await run(engine, prompt, session="a", max_tokens=4, ignore_eos=True)
+        transcript = prompt + first.token_ids
+        snapshot = offload.gather(engine.pool, engine.blocks, SessionKey("default", "a"), transcript, "x", "y")
+        snapshot.fingerprint = engine.fingerprint
+        turn2 = transcript + words(tiny, " Hello")
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("no room")
+
+        monkeypatch.setattr(offload, "restore", out_of_memory)
+        fresh = engine_with_tiers(tiny, tmp_path / "other", host_budget=1 << 30)  # an empty pool
+        try:
+            used_before = fresh.blocks.num_used
+            second = await run(fresh, turn2, session="a", snapshot=snapshot, max_tokens=4, ignore_eos=True)
+            assert second.error is None and second.usage.cached_tokens == 0  # recomputed, not failed
+            assert second.token_ids == reference_greedy(tiny.model, turn2, 4)
+            assert fresh.blocks.num_used == used_before and fresh.blocks.num_reserved == 0  # nothing leaked
+        finally:
+            fresh.stop()
+    finally:
+        engine.stop()
+
+
+async def test_a_turn_that_cannot_be_journaled_fails_alone(tiny, tmp_path):
+    class FullDisk(Journal):
+        def save(self, key, record):
+            if key.name == "full":
+                raise OSError(28, "No space left on device")
+            super().save(key, record)
+
+    store = KVStore(budget_bytes=1 << 30, ttl_s=3600, journal=FullDisk(tmp_path))
+    engine = BatchEngine(tiny, store, PoolConfig(budget_bytes=64 * BLOCK * TOKEN_BYTES, block_size=BLOCK))
+    engine.start()
+    try:
+        prompt = words(tiny, "Hello world")
+        results = await asyncio.gather(
+            run(engine, prompt, session="full", rid="a", max_tokens=3),
+            run(engine, prompt, session="fine", rid="b", max_tokens=3),
+        )
+        assert results[0].error.code == "internal_error" and results[1].error is None
+        assert store.info(SessionKey("default", "full")).num_turns == 0  # as before the turn
+        assert not store.info(SessionKey("default", "full")).is_in_use
+        assert store.info(SessionKey("default", "fine")).num_turns == 1
+    finally:
+        engine.stop()

@@ -118,3 +118,33 @@ def test_paths_stay_inside_the_directory(tmp_path):
     path = tiers.path_for(SessionKey("../../etc", "x"))
     assert path.resolve().is_relative_to(tmp_path.resolve())
     tiers.close()
+
+
+def test_another_models_request_leaves_the_snapshot_alone(tmp_path):
+    tiers = TierStore(0, 1 << 30, tmp_path)
+    tiers.put(make("a"))
+    tiers.flush()
+    assert tiers.fetch(SessionKey("t", "a"), "other-model", FP) is None
+    assert tiers.path_for(SessionKey("t", "a")).exists()  # not ours to delete
+    assert tiers.fetch(SessionKey("t", "a"), "m", FP) is not None
+    tiers.close()
+
+
+def test_a_copy_that_races_with_a_delete_is_not_kept(tmp_path):
+    tiers = TierStore(1 << 30, 1 << 30, tmp_path)
+    key = SessionKey("t", "a")
+    tiers.drop(key)  # deleted while the engine was copying its K/V
+    tiers.put(make("a"))
+    assert tiers.peek_tokens(key) == 0
+    tiers.revive(key)  # a new session under the same name
+    tiers.put(make("a"))
+    assert tiers.peek_tokens(key) == 8
+    tiers.close()
+
+
+def test_no_file_name_for_ids_outside_the_pattern(tmp_path):
+    tiers = TierStore(0, 1 << 30, tmp_path)
+    for name in ("../x", "a/b", "\x00", "x" * 129):
+        with pytest.raises(ValueError):
+            tiers.path_for(SessionKey("t", name))
+    tiers.close()

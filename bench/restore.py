@@ -1,0 +1,172 @@
+"""Restoring a session's K/V from host RAM or disk vs recomputing it, at a 2,000-token history.
+
+python bench/restore.py [--history 2000] [--new 20] [--repeats 3]
+
+In-process on the default model. Turn 1 computes a history of --history tokens; its K/V is
+gathered from the pool into a snapshot (host RAM) and written to disk (safetensors). Then
+turn 2 (the history + --new tokens, one output token) runs on a fresh, empty pool, four ways:
+K/V still in the pool (device), restored from host RAM, restored from disk (the file evicted
+from the page cache first, and the read + checksum counted), and recomputed from scratch.
+Time = from the turn's start (snapshot read included) to its first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from server.engine import offload
+from server.engine.batch_engine import BatchEngine, PoolConfig
+from server.engine.kv_cache import bytes_per_token
+from server.engine.kv_store import KVStore
+from server.engine.registry import load_model, read_specs
+from server.engine.tiers import TierStore
+from server.engine.types import Finished, GenerationRequest, SamplingParams, SessionKey, TextDelta
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine_line, replace_section  # noqa: E402
+
+KEY = SessionKey("default", "bench")
+TEXT = (
+    "The history of the river valley is long. Farmers settled its banks, traders followed the water, and towns "
+    "grew where the roads met the fords. Each generation kept records of floods, harvests and markets. "
+)
+
+
+def history_ids(loaded, num_tokens: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < num_tokens:
+        ids += loaded.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    return ids[:num_tokens]
+
+
+def new_engine(loaded, tiers: TierStore, num_tokens: int) -> BatchEngine:
+    store = KVStore(budget_bytes=1 << 34, ttl_s=3600, tiers=tiers)
+    budget = (num_tokens + 256) * bytes_per_token(loaded.model.config, loaded.dtype)
+    engine = BatchEngine(loaded, store, PoolConfig(budget_bytes=budget, block_size=16, max_batch_tokens=256))
+    engine.start()
+    return engine
+
+
+async def first_token_s(engine: BatchEngine, prompt: list[int], snapshot=None, use_cache=True) -> tuple[float, int]:
+    request = GenerationRequest("r", prompt, SamplingParams(max_tokens=1, temperature=0.0), None, snapshot=snapshot)
+    request.use_cache = use_cache
+    start = time.perf_counter()
+    handle = engine.submit(request)
+    async for event in handle:
+        if isinstance(event, TextDelta | Finished):
+            elapsed = time.perf_counter() - start
+            async for _rest in handle:
+                pass
+            return elapsed, engine.counter.num_prefill_tokens
+    raise RuntimeError("no token")
+
+
+def drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+async def measure(loaded, args, state: Path) -> dict:
+    history = history_ids(loaded, args.history)
+    turn2 = history + history_ids(loaded, args.history + args.new)[args.history :]
+    host = TierStore(1 << 34, 1 << 34, state)
+    warm = new_engine(loaded, host, len(turn2))
+    await first_token_s(warm, history)  # turn 1: the history's K/V in the pool
+    snapshot = offload.gather(warm.pool, warm.blocks, KEY, history, warm.model_id, warm.fingerprint)
+    host.put(snapshot)
+    host.flush()  # and a copy on disk
+    path = host.path_for(KEY)
+    times: dict[str, list[float]] = {"device": [], "host": [], "disk": [], "recompute": []}
+    for _ in range(args.repeats):
+        times["device"].append((await first_token_s(warm, turn2))[0])
+        fresh = new_engine(loaded, host, len(turn2))
+        start = time.perf_counter()
+        snap = host.fetch(KEY, fresh.model_id, fresh.fingerprint)
+        times["host"].append(time.perf_counter() - start + (await first_token_s(fresh, turn2, snap))[0])
+        fresh.stop()
+        disk_only = TierStore(0, 1 << 34, state)
+        disk_only.scan()
+        drop_page_cache(path)
+        fresh = new_engine(loaded, disk_only, len(turn2))
+        start = time.perf_counter()
+        snap = disk_only.fetch(KEY, fresh.model_id, fresh.fingerprint)
+        assert snap is not None and snap.origin == "disk"
+        times["disk"].append(time.perf_counter() - start + (await first_token_s(fresh, turn2, snap))[0])
+        fresh.stop()
+        disk_only.close()
+        fresh = new_engine(loaded, host, len(turn2))
+        times["recompute"].append((await first_token_s(fresh, turn2, use_cache=False))[0])
+        fresh.stop()
+    warm.stop()
+    host.close()
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "history_tokens": len(history),
+        "new_tokens": args.new,
+        "snapshot_bytes": snapshot.nbytes,
+        "file_bytes": path.stat().st_size,
+        "seconds": times,
+        "median_s": medians,
+        "ratio_to_recompute": {k: medians[k] / medians["recompute"] for k in medians},
+    }
+
+
+def report(result: dict) -> str:
+    med, ratio = result["median_s"], result["ratio_to_recompute"]
+    rows = [
+        ("K/V still in the device pool", "device"),
+        ("restored from host RAM", "host"),
+        ("restored from disk (page cache dropped; read + checksum counted)", "disk"),
+        ("recomputed (no cache)", "recompute"),
+    ]
+    lines = [
+        "## Restoring a session: host RAM and disk vs recompute",
+        "",
+        f"`python bench/restore.py` ({machine_line()}): turn 2 of a session with a {result['history_tokens']}-token "
+        f"history plus {result['new_tokens']} new tokens, time to first token on an empty pool, median of "
+        f"{len(result['seconds']['disk'])} runs. Snapshot {result['snapshot_bytes'] / 2**20:.1f} MiB in RAM, "
+        f"{result['file_bytes'] / 2**20:.1f} MiB on disk.",
+        "",
+        "| K/V source | time to first token | vs recompute |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {label} | {med[key] * 1000:.0f} ms | {ratio[key]:.3f}x |" for label, key in rows]
+    lines += ["", f"Target: disk restore at most 0.3x of the recompute time; measured **{ratio['disk']:.3f}x**."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--history", type=int, default=2000)
+    parser.add_argument("--new", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    loaded = load_model(read_specs(ROOT / "models" / "models.toml")[0], ROOT / "models" / "cache")
+    with tempfile.TemporaryDirectory(dir=ROOT / "bench") as state:
+        result = asyncio.run(measure(loaded, args, Path(state)))
+    out = ROOT / "bench" / "results" / "restore.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(report(result))
+    if not args.no_docs:
+        replace_section(ROOT / "docs" / "benchmarks.md", "restore", report(result))
+
+
+if __name__ == "__main__":
+    main()
