@@ -47,6 +47,8 @@ format: install
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/multiturn.py --spawn
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/concurrency.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/restore.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/restart.py
 
 clean:
 	rm -rf $(VENV) models/cache .pytest_cache .ruff_cache

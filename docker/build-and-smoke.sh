@@ -142,11 +142,12 @@ podman logs "$NAME" 2>&1 | tail -4
 step "restart on the same volumes: session 'smoke' is back, its K/V restored from disk"
 podman start "$NAME" >/dev/null
 wait_ready
-curl -s "$base/v1/sessions/smoke" | tee /dev/stderr | "$PY" -c '
+restored=$(curl -s "$base/v1/sessions/smoke")
+echo "$restored"
+echo "$restored" | "$PY" -c '
 import json, sys
 s = json.load(sys.stdin)
-assert s["turns"] == 2 and s["cache"]["disk"]["tokens"] > 0, s'
-echo
+assert s["turns"] == 2 and s["cache"]["disk"]["tokens"] > 0, s' || fail "session 'smoke' did not survive the restart"
 a2=$("$PY" -c 'import json,sys; print(json.dumps(sys.argv[1]))' "$answer2")
 q3="${q2%]}, {\"role\": \"assistant\", \"content\": $a2}, {\"role\": \"user\", \"content\": \"And of Italy?\"}]"
 headers=$(curl -s -D - -o "$SCRATCH/turn3.json" "$base/v1/chat/completions" -H 'Content-Type: application/json' \

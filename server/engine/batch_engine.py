@@ -135,6 +135,7 @@ class BatchEngine:
             is_idle = not self._running and not self._waiting
             try:
                 self._waiting += self._inbox.take(is_idle, self._new_sequence)
+                self.offloader.discard_forgotten()
                 self._drop_cancelled()
                 self._admit()
                 if self._running:

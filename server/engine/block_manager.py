@@ -156,6 +156,16 @@ class BlockManager:
                 self._forget(block)
                 self._push_free(block.block_id)
 
+    def discard(self, blocks: list[Block]) -> int:
+        """Drop cached contents nobody holds (a deleted session's K/V); returns how many blocks were freed."""
+        freed = 0
+        for block in blocks:
+            if block.ref_count == 0 and self._lru.pop(block.block_id, None) is not None:
+                self._forget(block)
+                self._push_free(block.block_id)
+                freed += 1
+        return freed
+
     def _push_free(self, block_id: int) -> None:
         self._free.add(block_id)
         heapq.heappush(self._free_heap, block_id)

@@ -1,11 +1,8 @@
-"""The session store: records (transcript, turns, messages), busy locks, TTL, and for the
-per-session engine each session's own K/V cache under an LRU byte budget.
+"""The session store: records, busy locks, TTL; for the per-session engine, caches under a byte budget.
 
 Thread-safe: the event loop admits and inspects sessions while the engine thread runs them.
-Contract (docs/architecture.md, DESIGN.md): the transcript is the source of truth, journaled
-when a turn completes; K/V is an accelerator that may be lost. An entry in use is never
-evicted; eviction drops K/V but keeps the transcript. Deleting or expiring a session removes
-its record and its snapshots from every tier.
+The transcript is the source of truth, journaled when a turn completes; K/V may be lost. An
+entry in use is never evicted. Deleting or expiring a session removes it from every tier.
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ class KVStore:
         self._entries: dict[SessionKey, Entry] = {}
         self.num_evictions = 0
         self.num_expired = 0
+        self._forgotten: list[tuple[str, SessionKey, list[int]]] = []  # for the engines to drop device K/V
 
     # -- creating and restoring ---------------------------------------------------
     def _new_entry(self, key: SessionKey, model_id: str, ttl_s: float | None) -> Entry:
@@ -190,18 +188,13 @@ class KVStore:
         with self._lock:
             self._expire_locked()
             entry = self._entries.get(key)
-            if entry is None:
-                return None
-            return entry.copy()
+            return None if entry is None else entry.copy()
 
     def others(self, key: SessionKey, model_id: str) -> list[list[int]]:
         """Transcripts of the tenant's other sessions and responses on a model (who may share K/V blocks)."""
         with self._lock:
-            return [
-                list(e.transcript_ids)
-                for k, e in self._entries.items()
-                if k != key and k.tenant == key.tenant and not k.is_bucket and e.model_id == model_id
-            ]
+            found = [(k, e) for k, e in self._entries.items() if k != key and k.tenant == key.tenant]
+            return [list(e.transcript_ids) for k, e in found if not k.is_bucket and e.model_id == model_id]
 
     def transcript(self, key: SessionKey) -> list[int]:
         with self._lock:
@@ -236,10 +229,12 @@ class KVStore:
     def delete(self, key: SessionKey) -> bool:
         """Forget a session everywhere. One in use is detached: its request finishes, its state is then dropped."""
         with self._lock:
-            found = self._entries.pop(key, None) is not None
-        if found:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._forgotten.append((entry.model_id, key, entry.transcript_ids))
+        if entry is not None:
             self._forget(key)
-        return found
+        return entry is not None
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -258,6 +253,13 @@ class KVStore:
             self.tiers.drop(key)
         except Exception:  # never let a file system error escape into the engine's idle tick
             log.exception("removing the files of session %s failed", key.name)
+
+    def take_forgotten(self, model_id: str) -> list[tuple[SessionKey, list[int]]]:
+        """Sessions of a model deleted or expired since the last call: their device K/V may go too."""
+        with self._lock:
+            mine = [(k, ids) for m, k, ids in self._forgotten if m == model_id]
+            self._forgotten = [item for item in self._forgotten if item[0] != model_id]
+            return mine
 
     def keys(self) -> set[SessionKey]:
         with self._lock:
@@ -290,7 +292,9 @@ class KVStore:
         now = self._clock()
         expired = [k for k, e in self._entries.items() if not e.is_in_use and e.last_use + e.ttl_s < now]
         for key in expired:
-            del self._entries[key]
+            entry = self._entries.pop(key)
+            if not key.is_bucket:
+                self._forgotten.append((entry.model_id, key, entry.transcript_ids))
             self.num_expired += 1
             self._forget(key)  # file unlinks: quick enough to do under the lock
         return expired

@@ -106,6 +106,15 @@ class Offloader:
             if deficit <= 0:
                 return
 
+    def discard_forgotten(self) -> None:
+        """A deleted or expired session's K/V leaves the pool too, unless another session reaches it."""
+        for key, token_ids in self.store.take_forgotten(self.model_id):
+            others = self.store.others(key, self.model_id)
+            with self.manager.lock:
+                kept = {b.block_id for ids in others for b in chain_blocks(self.manager, key.tenant, ids)[0]}
+                blocks = chain_blocks(self.manager, key.tenant, token_ids)[0]
+                self.manager.discard([b for b in blocks if b.block_id not in kept])
+
     def save_all(self) -> int:
         saved = 0
         for key, token_ids in self.store.idle_transcripts(self.model_id):

@@ -165,6 +165,25 @@ def test_openapi_documents_the_session_routes_with_examples(app_client):
         "/v1/responses/{response_id}",
     ):
         assert path in schema["paths"], path
+    get = schema["paths"]["/v1/sessions/{session_id}"]["get"]["responses"]["200"]["content"]["application/json"]
+    assert get["example"]["object"] == "session"
     components = schema["components"]["schemas"]
     for name in ("SessionCreate", "SessionFork", "SessionRewind", "ResponseRequest"):
         assert components[name].get("examples"), name
+
+
+def test_delete_frees_the_sessions_own_device_blocks_but_not_shared_ones(app_client):
+    engine = app_client.app.state.host.engines["tiny"]
+    parent = app_client.post("/v1/sessions", json={"system": "Numbers 0123456789 and symbols."}).json()["id"]
+    three_turns(app_client, parent)
+    fork = app_client.post(f"/v1/sessions/{parent}/fork", json={"turn": 1}).json()["id"]
+    parent_ids = store(app_client).transcript(SessionKey("default", parent))
+    fork_ids = store(app_client).transcript(SessionKey("default", fork))
+    assert engine.cached_tokens("default", parent_ids) == len(parent_ids) - 1
+    app_client.delete(f"/v1/sessions/{parent}")
+    deadline = time.monotonic() + 5  # the engine drops them on its next loop (idle: within a second)
+    while engine.cached_tokens("default", parent_ids) >= len(parent_ids) - 1:
+        assert time.monotonic() < deadline, "the deleted session's K/V stayed in the pool"
+        time.sleep(0.02)
+    assert engine.cached_tokens("default", parent_ids) < len(fork_ids) + engine.config.block_size
+    assert engine.cached_tokens("default", fork_ids) == len(fork_ids)  # the fork still reaches its blocks
