@@ -18,6 +18,7 @@ from server.engine.snapshot import Snapshot
 from server.engine.types import SessionKey
 
 log = logging.getLogger("kvserve.engine")
+MAX_PENDING_BYTES = 1 << 30  # at shutdown, snapshots waiting for the disk writer
 
 
 def chain_blocks(manager: BlockManager, salt: str, token_ids: list[int]) -> tuple[list[Block], int]:
@@ -121,6 +122,8 @@ class Offloader:
             num_tokens = chain_blocks(self.manager, key.tenant, token_ids)[1]
             if num_tokens and not self.store.tiers.covers(key, token_ids[:num_tokens]):
                 saved += self.save(key, token_ids)
+            if self.store.tiers.pending_bytes() > MAX_PENDING_BYTES:
+                self.store.tiers.flush_pending()  # a large pool is not copied into host RAM all at once
         return saved
 
     def save(self, key: SessionKey, token_ids: list[int]) -> bool:

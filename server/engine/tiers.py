@@ -140,6 +140,10 @@ class TierStore:
         if self.directory is not None:
             self._queue.join()
 
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self._writing.values())
+
     def flush_pending(self) -> None:
         """Wait until the snapshots already on their way to disk are written."""
         if self.directory is not None:

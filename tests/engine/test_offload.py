@@ -17,6 +17,7 @@ from server.engine.journal import Journal
 from server.engine.kv_store import KVStore
 from server.engine.tiers import TierStore
 from server.engine.types import SessionKey
+from server.engine.worker import Engine
 from tests.helpers import reference_greedy, run
 
 BLOCK = 4
@@ -140,3 +141,25 @@ async def test_a_turn_that_cannot_be_journaled_fails_alone(tiny, tmp_path):
         assert store.info(SessionKey("default", "fine")).num_turns == 1
     finally:
         engine.stop()
+
+
+async def test_the_per_session_engine_restores_from_a_snapshot_too(tiny, tmp_path):
+    batch = engine_with_tiers(tiny, tmp_path, host_budget=1 << 30)
+    try:
+        prompt = words(tiny, "The quick brown fox jumps over the lazy dog.")
+        first = await run(batch, prompt, session="a", max_tokens=4, ignore_eos=True)
+        transcript = prompt + first.token_ids
+        key = SessionKey("default", "a")
+        snapshot = offload.gather(batch.pool, batch.blocks, key, transcript, batch.model_id, batch.fingerprint)
+    finally:
+        batch.stop()
+    solo = Engine(tiny, KVStore(budget_bytes=1 << 30, ttl_s=3600))
+    solo.start()
+    try:
+        assert solo.fingerprint == snapshot.fingerprint
+        turn2 = transcript + words(tiny, " Hello")
+        second = await run(solo, turn2, session="a", snapshot=snapshot, max_tokens=4, ignore_eos=True)
+        assert second.admitted.source == "host" and second.usage.cached_tokens == len(transcript) - 1
+        assert second.token_ids == reference_greedy(tiny.model, turn2, 4)
+    finally:
+        solo.stop()
