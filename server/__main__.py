@@ -31,6 +31,14 @@ OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or th
     "--host-kv-budget-bytes": "host_kv_budget_bytes",
     "--disk-kv-budget-bytes": "disk_kv_budget_bytes",
     "--response-retention-s": "response_retention_s",
+    "--api-keys-file": "api_keys_file",
+    "--metrics-needs-key": "metrics_needs_key",
+    "--max-request-bytes": "max_request_bytes",
+    "--max-tokens-limit": "max_tokens_limit",
+    "--max-sessions-per-tenant": "max_sessions_per_tenant",
+    "--max-tenant-kv-bytes": "max_tenant_kv_bytes",
+    "--max-unread-events": "max_unread_events",
+    "--log-prompts": "log_prompts",
     "--log-level": "log_level",
 }
 

@@ -8,9 +8,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from server import __version__
-from server.api import chat, completions, errors, health, models, responses, sessions
+from server.api import chat, completions, errors, health, metrics, models, responses, sessions
+from server.api.gate import Gate
+from server.auth import announce, load_keys
 from server.engine.registry import ModelSpec
 from server.hosting import ModelHost
+from server.metrics import Metrics
 from server.responses import Responses
 from server.serving import Serving
 from server.sessions import Sessions
@@ -27,7 +30,9 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
     async def lifespan(app: FastAPI):
         host = ModelHost(settings, specs)
         app.state.host = host
-        app.state.serving = serving = Serving(host)
+        app.state.metrics = metrics = Metrics(host)
+        announce(keys, settings.host)
+        app.state.serving = serving = Serving(host, metrics)
         app.state.sessions = Sessions(serving)
         app.state.responses = Responses(serving)
         host.start()
@@ -43,6 +48,36 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
         lifespan=lifespan,
     )
     errors.install(app)
-    for router in (completions.router, chat.router, responses.router, models.router, sessions.router, health.router):
+    keys = load_keys(settings.api_keys, settings.api_keys_file)
+    open_paths = {"/health", "/ready"} | (set() if settings.metrics_needs_key else {"/metrics"})
+
+    def count(route: str, status: int, seconds: float) -> None:
+        if hasattr(app.state, "metrics"):
+            app.state.metrics.on_response(route, status, seconds)
+
+    app.add_middleware(
+        Gate, keys=keys, max_body_bytes=settings.max_request_bytes, open_paths=open_paths, on_response=count
+    )
+    cap_output_tokens(app, settings.max_tokens_limit)
+    routers = (completions, chat, responses, models, sessions, health, metrics)
+    for router in (module.router for module in routers):
         app.include_router(router)
     return app
+
+
+def cap_output_tokens(app: FastAPI, limit: int) -> None:
+    """Show the server's max_tokens limit in the OpenAPI schema (clients and schema-driven tests see it)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for component in schema.get("components", {}).get("schemas", {}).values():
+                for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+                    field = component.get("properties", {}).get(name)
+                    for option in (field or {}).get("anyOf", [field] if field else []):
+                        if option.get("type") == "integer":
+                            option["maximum"] = limit
+        return app.openapi_schema
+
+    app.openapi = openapi

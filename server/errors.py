@@ -27,6 +27,8 @@ ENGINE_STATUS = {
     "server_overloaded": 429,
     "request_timeout": 504,
     "out_of_memory": 503,
+    "slow_reader": 429,
+    "quota_exceeded": 429,
     "shutting_down": 503,
     "internal_error": 500,
     "cancelled": 499,

@@ -42,7 +42,7 @@ class ModelHost:
         journal = Journal(state / "sessions" if state else None)
         self.store = KVStore(budget, settings.session_ttl_s, journal=journal, tiers=tiers)
         num_sessions, num_snapshots = self.store.restore(), tiers.scan()
-        num_snapshots -= tiers.retain(self.store.keys())  # snapshots of sessions no record knows
+        num_snapshots -= tiers.retain(self.store.session_keys())  # snapshots of sessions no record knows
         if state:
             log.info("state in %s: %d sessions and %d K/V snapshots found", state, num_sessions, num_snapshots)
         self._thread = threading.Thread(target=self._load_all, name="model-loader", daemon=True)

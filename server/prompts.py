@@ -53,9 +53,10 @@ def sampling_params(
     max_tokens: int | None,
     default_max_tokens: int,
     num_logprobs: int | None,
+    max_tokens_limit: int | None = None,
 ) -> SamplingParams:
     return SamplingParams(
-        max_tokens=output_budget(loaded, num_prompt, max_tokens, default_max_tokens),
+        max_tokens=output_budget(loaded, num_prompt, max_tokens, default_max_tokens, max_tokens_limit),
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=max(req.top_k, 0),
@@ -72,11 +73,15 @@ def sampling_params(
     )
 
 
-def output_budget(loaded: LoadedModel, num_prompt: int, max_tokens: int | None, default_max_tokens: int) -> int:
+def output_budget(
+    loaded: LoadedModel, num_prompt: int, max_tokens: int | None, default_max_tokens: int, limit: int | None = None
+) -> int:
     """The request's max_tokens, or the default cut to the context; 400 when the context cannot hold it."""
     max_context = loaded.max_context
+    if max_tokens is not None and limit is not None and max_tokens > limit:
+        raise ApiError(400, "invalid_parameter", f"max_tokens is at most {limit} on this server", "max_tokens")
     if max_tokens is None:
-        max_tokens = min(default_max_tokens, max_context - num_prompt)
+        max_tokens = min(default_max_tokens, max_context - num_prompt, limit or default_max_tokens)
     if num_prompt + max_tokens > max_context or max_tokens < 1:
         raise ApiError(
             400,

@@ -119,7 +119,10 @@ class Responses:
         parent = self._parent(req, tenant, engine.model_id)
         messages = self._messages(req, parent)
         prompt_ids = continuation.prompt_ids(engine.loaded, messages, parent)
-        budget = output_budget(engine.loaded, len(prompt_ids), req.max_output_tokens, self.settings.default_max_tokens)
+        s = self.settings
+        budget = output_budget(
+            engine.loaded, len(prompt_ids), req.max_output_tokens, s.default_max_tokens, s.max_tokens_limit
+        )
         params = SamplingParams(max_tokens=budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
         response_id = "resp_" + uuid.uuid4().hex
         record = {
@@ -140,6 +143,7 @@ class Responses:
         timeout = self.settings.request_timeout_s
         gen = GenerationRequest(response_id, prompt_ids, params, key, timeout, tenant, req.cache_prompt, None, messages)
         restore_from = parent.key if parent is not None else None
+        started = time.monotonic()
         try:
             handle, admitted = await self.serving.start(engine, gen, http, restore_from)
         except BaseException:
@@ -148,9 +152,10 @@ class Responses:
             raise
         run = _Run(response_id, engine.model_id, record, req.previous_response_id, key, self.store)
         headers = cache_headers(admitted)
+        events = self.serving.metrics.meter(handle, engine.model_id, started)
         if req.stream:
-            return EventSourceResponse(run.events(handle), headers=headers, sep="\n", ping=15)
-        return await run.collect(handle, http, headers)
+            return EventSourceResponse(run.events(handle, events), headers=headers, sep="\n", ping=15)
+        return await run.collect(handle, events, http, headers)
 
     def get(self, response_id: str, tenant: str) -> dict:
         entry = self.store.view(SessionKey(tenant, response_id, "response"))
@@ -185,11 +190,11 @@ class _Run:
         if self.key is not None and not self.is_finished:
             self.store.delete(self.key)  # nothing to continue from: a failed or abandoned response is not kept
 
-    async def collect(self, handle: RequestHandle, http: Request, headers: dict) -> JSONResponse:
+    async def collect(self, handle: RequestHandle, events, http: Request, headers: dict) -> JSONResponse:
         parts = []
         watcher = asyncio.create_task(cancel_on_disconnect(http, handle))
         try:
-            async for event in handle:
+            async for event in events:
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
                 elif isinstance(event, Finished):
@@ -208,7 +213,7 @@ class _Run:
         self.sequence_number += 1
         return ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event=kind, sep="\n")
 
-    async def events(self, handle: RequestHandle):
+    async def events(self, handle: RequestHandle, events):
         item_id = "msg_" + self.response_id.removeprefix("resp_")
         where = {"item_id": item_id, "output_index": 0, "content_index": 0}
         try:
@@ -220,7 +225,7 @@ class _Run:
             empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             yield self._event("response.content_part.added", **where, part=empty)
             parts = []
-            async for event in handle:
+            async for event in events:
                 if isinstance(event, TextDelta) and event.text:
                     parts.append(event.text)
                     yield self._event("response.output_text.delta", **where, delta=event.text, logprobs=[])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -21,17 +22,20 @@ from server.engine.types import Admitted, EngineError, Failed, Finished, Generat
 from server.engine.worker import Engine
 from server.errors import ENGINE_STATUS, ApiError, error_body
 from server.hosting import ModelHost
+from server.metrics import Metrics
 from server.prompts import Prompt, chat_messages, completion_ids, sampling_params
 from server.schemas import SESSION_ID_PATTERN, ChatCompletionRequest, CompletionRequest, SamplingFields
 
+log = logging.getLogger("kvserve.requests")
 SESSION_HEADER = "X-Session-ID"
 RETRY_AFTER_S = 1
 
 
 class Serving:
-    def __init__(self, host: ModelHost) -> None:
+    def __init__(self, host: ModelHost, metrics: Metrics) -> None:
         self.host = host
         self.settings = host.settings
+        self.metrics = metrics
 
     async def completion(self, req: CompletionRequest, http: Request, tenant: str):
         engine = self.engine(req.model)
@@ -63,14 +67,19 @@ class Serving:
         is_chat = prompt.messages is not None
         loaded = engine.loaded
         num_prompt = len(prompt.ids)
-        params = sampling_params(req, loaded, num_prompt, max_tokens, self.settings.default_max_tokens, logprobs)
+        s = self.settings
+        params = sampling_params(
+            req, loaded, num_prompt, max_tokens, s.default_max_tokens, logprobs, s.max_tokens_limit
+        )
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
         gen = GenerationRequest(
             request_id, prompt.ids, params, session, self.settings.request_timeout_s, tenant, req.cache_prompt
         )
         gen.messages = prompt.messages
         restore_from = session if session and not session.is_bucket else None
+        started = time.monotonic()
         handle, admitted = await self.start(engine, gen, http, restore_from)
+        events = self.metrics.meter(handle, engine.model_id, started)
         meta = formats.Meta(request_id, int(time.time()), engine.model_id, is_chat)
         headers = cache_headers(admitted)
         if session and not session.is_bucket:
@@ -78,9 +87,9 @@ class Serving:
         token_text = _token_texts(loaded.tokenizer)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = _sse(handle, meta, token_text, include_usage)
-            return EventSourceResponse(events, headers=headers, sep="\n", ping=15)
-        return await _collect(handle, http, meta, token_text, headers)
+            chunks = _sse(handle, events, meta, token_text, include_usage)
+            return EventSourceResponse(chunks, headers=headers, sep="\n", ping=15)
+        return await _collect(handle, events, http, meta, token_text, headers)
 
     async def start(
         self, engine, gen: GenerationRequest, http: Request | None, restore_from: SessionKey | None
@@ -91,6 +100,9 @@ class Serving:
         """
         if self.host.is_draining:
             raise ApiError(503, "shutting_down", "the server is shutting down; retry on another instance")
+        if gen.session is not None and not gen.session.is_bucket:
+            self.check_quota(gen.session, len(gen.prompt_ids) + gen.params.max_tokens, engine)
+        gen.max_unread_events = self.settings.max_unread_events
         if restore_from is not None and gen.use_cache:
             gen.snapshot = await self._snapshot(engine, restore_from, gen)
         try:
@@ -110,7 +122,36 @@ class Serving:
                 watcher.cancel()
         if isinstance(first, Failed):
             raise ApiError(ENGINE_STATUS.get(first.code, 500), first.code, first.message)
+        session = gen.session.name if gen.session else "-"
+        log.info(
+            "request %s admitted: tenant=%s session=%s prompt_tokens=%d cached=%d source=%s",
+            gen.request_id,
+            gen.tenant,
+            session,
+            first.num_prompt,
+            first.num_cached,
+            first.source,
+        )  # ids and counts only: prompts are the tenants' data
+        if self.settings.log_prompts:
+            log.debug("request %s prompt ids: %s", gen.request_id, gen.prompt_ids)
         return handle, first
+
+    def check_quota(self, key: SessionKey, num_new_tokens: int, engine) -> None:
+        """429 quota_exceeded when this session (new or growing) would take the tenant past its limits."""
+        store, s = self.host.store, self.settings
+        num_sessions, num_tokens = store.tenant_usage(key.tenant, exclude=key)
+        if not store.is_live(key) and num_sessions >= s.max_sessions_per_tenant:
+            message = (
+                f"this tenant already has {num_sessions} sessions (limit {s.max_sessions_per_tenant}); delete some"
+            )
+            raise ApiError(429, "quota_exceeded", message)
+        num_bytes = (num_tokens + num_new_tokens) * engine.token_bytes
+        if num_bytes > s.max_tenant_kv_bytes:
+            message = (
+                f"this tenant's sessions would hold {num_bytes} bytes of K/V (limit {s.max_tenant_kv_bytes}); "
+                "delete or rewind sessions"
+            )
+            raise ApiError(429, "quota_exceeded", message)
 
     async def _snapshot(self, engine, key: SessionKey, gen: GenerationRequest):
         """A snapshot worth restoring: one holding more of the prompt than the device pool does."""
@@ -164,11 +205,11 @@ def _token_texts(tokenizer):
     return token_text
 
 
-async def _collect(handle: RequestHandle, http: Request, meta, token_text, headers) -> JSONResponse:
+async def _collect(handle: RequestHandle, events, http: Request, meta, token_text, headers) -> JSONResponse:
     watcher = asyncio.create_task(cancel_on_disconnect(http, handle))
     parts, logprobs, offset = [], [], 0
     try:
-        async for event in handle:
+        async for event in events:
             if isinstance(event, TextDelta):
                 parts.append(event.text)
                 logprobs.extend(event.logprobs or [])
@@ -192,12 +233,12 @@ async def cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
     handle.cancel()
 
 
-async def _sse(handle: RequestHandle, meta, token_text, include_usage: bool) -> AsyncIterator[ServerSentEvent]:
+async def _sse(handle: RequestHandle, events, meta, token_text, include_usage: bool) -> AsyncIterator[ServerSentEvent]:
     offset = 0
     try:
         if meta.is_chat:
             yield _data(formats.delta_chunk(meta, "", role=True))
-        async for event in handle:
+        async for event in events:
             if isinstance(event, TextDelta):
                 lp = formats.choice_logprobs(meta, event.logprobs, token_text, offset)
                 offset += len(event.text)

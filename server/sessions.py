@@ -33,6 +33,7 @@ class Sessions:
         model = body.model or next(iter(self.host.states))
         engine = self.serving.engine(model)
         key = SessionKey(tenant, new_session_id())
+        self.serving.check_quota(key, 0, engine)
         if body.system is None:
             self.store.create(key, engine.model_id, body.ttl_s)
             return self.describe(key)
@@ -118,6 +119,9 @@ class Sessions:
         if info is None:
             raise not_found(key.name)
         new_key = SessionKey(key.tenant, new_session_id())
+        engine = self.host.engines.get(info.model_id)
+        if engine is not None:
+            self.serving.check_quota(new_key, info.num_transcript_tokens, engine)
         self._engine_call(self.store.fork, key, new_key, info.num_turns if turn is None else turn, ttl_s)
         return self.describe(new_key)
 

@@ -52,6 +52,21 @@ class Settings(BaseSettings):
     response_retention_s: float = Field(
         30 * 86400.0, gt=0, description="stored /v1/responses results are kept this long after last use"
     )
+    api_keys: str | None = Field(
+        None, description="comma-separated KEY:TENANT pairs; when set, every route but /health and /ready needs a key"
+    )
+    api_keys_file: Path | None = Field(None, description="a file of KEY:TENANT lines (# comments)")
+    metrics_needs_key: bool = Field(True, description="with API keys: /metrics needs one too")
+    max_request_bytes: int = Field(8 << 20, gt=0, description="larger request bodies answer 413")
+    max_tokens_limit: int = Field(8192, gt=0, description="the largest max_tokens a request may ask for")
+    max_sessions_per_tenant: int = Field(10_000, gt=0, description="sessions and stored responses per tenant (429)")
+    max_tenant_kv_bytes: int = Field(
+        16 * GIB, gt=0, description="K/V a tenant's sessions may hold, counted as transcript tokens x bytes/token (429)"
+    )
+    max_unread_events: int = Field(
+        1024, gt=0, description="stream events a client may leave unread before its request is ended"
+    )
+    log_prompts: bool = Field(False, description="debug only: log prompt text (never on by default)")
     default_max_tokens: int = Field(512, gt=0, description="when a request gives no max_tokens")
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is ended")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long open requests may finish")

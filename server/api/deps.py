@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from server.auth import DEFAULT_TENANT
 from server.hosting import ModelHost
 from server.responses import Responses
 from server.serving import Serving
 from server.sessions import Sessions
-
-DEFAULT_TENANT = "default"
 
 
 def serving(request: Request) -> Serving:
@@ -29,5 +28,5 @@ def host(request: Request) -> ModelHost:
 
 
 def tenant(request: Request) -> str:
-    """One default tenant until API keys exist; every session lookup is already namespaced by it."""
-    return DEFAULT_TENANT
+    """Set by the gate from the API key (the one default tenant when no keys are configured)."""
+    return getattr(request.state, "tenant", DEFAULT_TENANT)

@@ -18,7 +18,7 @@ from server.engine.batch_step import PagedSequence, layout, plan, record, run_fo
 from server.engine.block_manager import BlockManager
 from server.engine.generate import ForwardCounter
 from server.engine.handle import RequestHandle
-from server.engine.inbox import SHUTTING_DOWN, Inbox
+from server.engine.inbox import SHUTTING_DOWN, SLOW_READER, Inbox
 from server.engine.kv_cache import bytes_per_token, kv_layout
 from server.engine.kv_store import KVStore
 from server.engine.paged_attention import KVPool, install
@@ -64,7 +64,8 @@ class BatchEngine:
     def __init__(self, loaded: LoadedModel, store: KVStore, config: PoolConfig) -> None:
         self.loaded, self.model_id, self.store, self.config = loaded, loaded.spec.id, store, config
         self.counter = ForwardCounter()
-        self.block_bytes = bytes_per_token(loaded.model.config, loaded.dtype) * config.block_size
+        self.token_bytes = bytes_per_token(loaded.model.config, loaded.dtype)
+        self.block_bytes = self.token_bytes * config.block_size
         num_blocks = max(1, config.budget_bytes // self.block_bytes)
         self.blocks = BlockManager(num_blocks, config.block_size)
         layout = kv_layout(loaded.model.config)  # (layers, kv_heads, head_dim)
@@ -155,6 +156,8 @@ class BatchEngine:
         for seq in list(self._running) + list(self._waiting):
             if seq.handle.is_cancelled:
                 self._finish(seq, Failed("cancelled", "the client went away"), is_complete=False)
+            elif seq.handle.is_overflowing:
+                self._finish(seq, SLOW_READER, is_complete=False)
             elif seq.is_past_deadline():
                 message = f"request exceeded its time limit of {seq.request.timeout_s:g} s"
                 self._finish(seq, Failed("request_timeout", message), is_complete=False)

@@ -14,6 +14,7 @@ from server.engine.types import EngineStopped, Failed, GenerationRequest
 log = logging.getLogger("kvserve.engine")
 IDLE_TICK_S = 1.0  # how often an idle engine wakes to expire sessions
 SHUTTING_DOWN = Failed("shutting_down", "the server is shutting down")
+SLOW_READER = Failed("slow_reader", "the client read the stream too slowly; too many events were left unread")
 
 
 class Inbox:
@@ -27,7 +28,7 @@ class Inbox:
         if self.is_closed:
             raise EngineStopped("the server is shutting down")
         entry = self._store.acquire(request.session, model_id) if request.session else None
-        handle = RequestHandle(request.request_id, asyncio.get_running_loop())
+        handle = RequestHandle(request.request_id, asyncio.get_running_loop(), request.max_unread_events)
         self._queue.put((request, entry, handle))
         return handle
 

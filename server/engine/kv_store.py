@@ -261,7 +261,13 @@ class KVStore:
             self._forgotten = [item for item in self._forgotten if item[0] != model_id]
             return mine
 
-    def keys(self) -> set[SessionKey]:
+    def tenant_usage(self, tenant: str, exclude: SessionKey) -> tuple[int, int]:
+        """(sessions and stored responses, their transcript tokens) of a tenant, `exclude` left out."""
+        with self._lock:
+            mine = [e for k, e in self._entries.items() if k.tenant == tenant and not k.is_bucket and k != exclude]
+            return len(mine), sum(len(e.transcript_ids) for e in mine)
+
+    def session_keys(self) -> set[SessionKey]:
         with self._lock:
             return set(self._entries)
 

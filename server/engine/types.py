@@ -52,6 +52,7 @@ class GenerationRequest:
     use_cache: bool = True  # False: no K/V reuse and nothing published for others (baselines)
     snapshot: Any = None  # a Snapshot (host or disk tier) the engine may restore K/V from
     messages: list[dict] | None = None  # chat: the messages this prompt renders (kept in the session record)
+    max_unread_events: int | None = None  # a stream left unread past this many events is ended (slow reader)
 
     @property
     def is_prefill_only(self) -> bool:

@@ -16,8 +16,8 @@ import torch
 from server.engine.batch_engine import DeviceUsage
 from server.engine.generate import Forward, ForwardCounter
 from server.engine.handle import RequestHandle
-from server.engine.inbox import SHUTTING_DOWN, Inbox
-from server.engine.kv_cache import kv_layout
+from server.engine.inbox import SHUTTING_DOWN, SLOW_READER, Inbox
+from server.engine.kv_cache import bytes_per_token, kv_layout
 from server.engine.kv_store import Entry, KVStore
 from server.engine.registry import LoadedModel
 from server.engine.sequence import Sequence
@@ -25,7 +25,7 @@ from server.engine.snapshot import fingerprint
 from server.engine.types import Failed, Finished, GenerationRequest, TextDelta
 
 log = logging.getLogger("kvserve.engine")
-CONSISTENT_FAILURES = ("cancelled", "request_timeout", "shutting_down")  # noticed between steps
+CONSISTENT_FAILURES = ("cancelled", "request_timeout", "shutting_down", "slow_reader")  # noticed between steps
 
 
 class Engine:
@@ -35,6 +35,7 @@ class Engine:
         self.store = store
         self.counter = ForwardCounter()
         self._forward = Forward(loaded.model, self.counter)
+        self.token_bytes = bytes_per_token(loaded.model.config, loaded.dtype)
         self.fingerprint = fingerprint(*kv_layout(loaded.model.config), loaded.dtype, loaded.model)
         self._inbox = Inbox(store)
         self._active: list[Sequence] = []
@@ -89,6 +90,8 @@ class Engine:
         try:
             if seq.handle.is_cancelled:
                 self._finish(seq, Failed("cancelled", "the client went away"), is_complete=False)
+            elif seq.handle.is_overflowing:
+                self._finish(seq, SLOW_READER, is_complete=False)
             elif seq.is_past_deadline():
                 message = f"request exceeded its time limit of {seq.request.timeout_s:g} s"
                 self._finish(seq, Failed("request_timeout", message), is_complete=False)

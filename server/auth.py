@@ -1,0 +1,83 @@
+"""API keys and tenants: which tenant a request belongs to, decided before anything else reads it.
+
+Keys come from `KVSERVE_API_KEYS` ("key:tenant,key2:tenant2") and/or `KVSERVE_API_KEYS_FILE`
+(one "key:tenant" per line, `#` comments). A key without a tenant gets a tenant of its own.
+Keys are kept as SHA-256 digests and compared in constant time against every configured key,
+so neither the comparison nor the number of matching characters leaks through timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("kvserve")
+DEFAULT_TENANT = "default"
+
+
+@dataclass(slots=True, frozen=True)
+class KeyRing:
+    digests: tuple[tuple[bytes, str], ...] = ()  # (sha256(key), tenant)
+
+    def __bool__(self) -> bool:
+        return bool(self.digests)
+
+    def tenant_for(self, presented: str) -> str | None:
+        digest = hashlib.sha256(presented.encode()).digest()
+        found = None
+        for known, tenant in self.digests:  # no early exit: the time does not depend on which key matched
+            if hmac.compare_digest(digest, known):
+                found = tenant
+        return found
+
+    @property
+    def tenants(self) -> set[str]:
+        return {tenant for _digest, tenant in self.digests}
+
+
+def parse_keys(text: str) -> list[tuple[str, str]]:
+    pairs = []
+    for raw in text.replace(",", "\n").splitlines():
+        item = raw.split("#", 1)[0].strip()
+        if not item:
+            continue
+        key, _, tenant = item.partition(":")
+        key, tenant = key.strip(), tenant.strip()
+        if len(key) < 8:
+            raise ValueError("API keys must be at least 8 characters")
+        pairs.append((key, tenant or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]))
+    return pairs
+
+
+def load_keys(inline: str | None, path: Path | None) -> KeyRing:
+    pairs = parse_keys(inline or "")
+    if path is not None:
+        pairs += parse_keys(Path(path).read_text())
+    return KeyRing(tuple((hashlib.sha256(key.encode()).digest(), tenant) for key, tenant in pairs))
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+
+def announce(keys: KeyRing, host: str) -> None:
+    """Say at start what protects this server; loudly when nothing does on a non-loopback address."""
+    if keys:
+        log.info(
+            "API keys: %d keys for %d tenants; every route but /health and /ready needs one",
+            len(keys.digests),
+            len(keys.tenants),
+        )
+    elif is_loopback(host):
+        log.info(
+            "no API keys configured: listening on %s only (loopback); set KVSERVE_API_KEYS to serve a network", host
+        )
+    else:
+        log.warning("!" * 78)
+        log.warning("NO API KEYS and listening on %s: anyone who can reach this port can use it,", host)
+        log.warning("and all callers share one tenant (they can see each other's sessions).")
+        log.warning("Set KVSERVE_API_KEYS or KVSERVE_API_KEYS_FILE.")
+        log.warning("!" * 78)

@@ -1,0 +1,122 @@
+"""Prometheus metrics (prometheus-client), named like vLLM's with a `kvserve:` prefix.
+
+One registry per app (no module-level state). Counters and histograms are updated as
+requests run; gauges that describe the engines, the pool, the tiers and the sessions are
+read when /metrics is scraped, so they are never stale.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from server.engine.types import Event, Failed, Finished, TextDelta
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+
+
+class Metrics:
+    def __init__(self, host) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "kvserve:http_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvserve:time_to_first_token_seconds", "Time to first token", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "kvserve:inter_token_latency_seconds",
+            "Time between output tokens",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvserve:e2e_request_latency_seconds", "Request latency", ["model"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_computed = Counter(
+            "kvserve:prompt_tokens_computed", "Prompt tokens fed to the model", ["model"], registry=r
+        )
+        self.prompt_cached = Counter(
+            "kvserve:prompt_tokens_cached", "Prompt tokens reused from cached K/V (any tier)", ["model"], registry=r
+        )
+        self.generation = Counter("kvserve:generation_tokens", "Generated tokens", ["model"], registry=r)
+        self.finished = Counter(
+            "kvserve:request_success", "Requests finished, by finish reason", ["model", "finish_reason"], registry=r
+        )
+        self.failed = Counter("kvserve:request_failure", "Requests failed, by code", ["model", "code"], registry=r)
+        r.register(_StateCollector(host))
+
+    def on_response(self, route: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(route, str(status)).inc()
+
+    async def meter(self, events: AsyncIterator[Event], model: str, started: float) -> AsyncIterator[Event]:
+        """Pass a request's events through, timing its tokens and counting its usage."""
+        last = None
+        async for event in events:
+            now = time.monotonic()
+            if isinstance(event, TextDelta) and event.token_ids:
+                if last is None:
+                    self.ttft.labels(model).observe(now - started)
+                else:
+                    gap = (now - last) / len(event.token_ids)
+                    for _ in event.token_ids:
+                        self.itl.labels(model).observe(gap)
+                last = now
+            elif isinstance(event, Finished):
+                usage = event.usage
+                self.prompt_computed.labels(model).inc(usage.prompt_tokens - usage.cached_tokens)
+                self.prompt_cached.labels(model).inc(usage.cached_tokens)
+                self.generation.labels(model).inc(usage.completion_tokens)
+                self.finished.labels(model, event.finish_reason).inc()
+                self.e2e.labels(model).observe(now - started)
+            elif isinstance(event, Failed):
+                self.failed.labels(model, event.code).inc()
+            yield event
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector:
+    """Gauges read at scrape time from the engines, the pool, the tiers and the session store."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        host = self.host
+        running = GaugeMetricFamily("kvserve:num_requests_running", "Requests in the engine", labels=["model"])
+        waiting = GaugeMetricFamily("kvserve:num_requests_waiting", "Requests queued", labels=["model"])
+        usage = GaugeMetricFamily(
+            "kvserve:kv_cache_usage_perc", "Pool blocks held by running requests", labels=["model"]
+        )
+        kv_bytes = GaugeMetricFamily("kvserve:kv_cache_bytes", "K/V bytes held, by tier", labels=["tier"])
+        evictions = CounterMetricFamily("kvserve:kv_evictions", "K/V moved down or dropped, by tier", labels=["tier"])
+        device_bytes = 0
+        for model_id, engine in host.engines.items():
+            running.add_metric([model_id], engine.num_active - len(getattr(engine, "_waiting", ())))
+            waiting.add_metric([model_id], engine.num_queued + len(getattr(engine, "_waiting", ())))
+            blocks = getattr(engine, "blocks", None)
+            if blocks is not None:
+                usage.add_metric([model_id], blocks.num_used / blocks.num_blocks)
+                device_bytes += (blocks.num_used + blocks.num_cached_idle) * engine.block_bytes
+                evictions.add_metric(["device"], blocks.num_evictions)
+        tiers = host.store.tiers.totals()
+        kv_bytes.add_metric(["device"], device_bytes + host.store.stats().nbytes)
+        kv_bytes.add_metric(["host"], tiers.host_bytes)
+        kv_bytes.add_metric(["disk"], tiers.disk_bytes)
+        evictions.add_metric(["host"], tiers.num_demoted["disk"])
+        evictions.add_metric(["disk"], tiers.num_demoted["dropped"])
+        sessions = GaugeMetricFamily("kvserve:sessions", "Live sessions, by kind", labels=["kind"])
+        for kind, count in sorted(collections.Counter(k.kind for k in host.store.session_keys()).items()):
+            sessions.add_metric([kind], count)
+        yield from (running, waiting, usage, kv_bytes, evictions, sessions)
