@@ -9,12 +9,22 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from server.engine import offload
-from server.engine.batch_step import PagedSequence, layout, plan, record, run_forward
+from server.engine.batch_step import (  # noqa: F401 - PoolConfig, QueueFull, TooLarge: the engine's API
+    DeviceUsage,
+    PagedSequence,
+    PoolConfig,
+    QueueFull,
+    StepRecord,
+    TooLarge,
+    layout,
+    plan,
+    record,
+    run_forward,
+)
 from server.engine.block_manager import BlockManager
 from server.engine.generate import ForwardCounter
 from server.engine.handle import RequestHandle
@@ -25,39 +35,9 @@ from server.engine.paged_attention import KVPool, install
 from server.engine.registry import LoadedModel
 from server.engine.session import common_prefix_len
 from server.engine.snapshot import fingerprint
-from server.engine.types import Admitted, EngineError, Failed, Finished, GenerationRequest, SessionKey
+from server.engine.types import Admitted, Failed, Finished, GenerationRequest, SessionKey
 
 log = logging.getLogger("kvserve.engine")
-
-
-class QueueFull(EngineError):
-    code = "server_overloaded"
-
-
-class TooLarge(EngineError):
-    code = "context_length_exceeded"
-
-
-@dataclass(slots=True)
-class PoolConfig:
-    budget_bytes: int
-    block_size: int = 16
-    max_batch_tokens: int = 256
-    max_queue: int = 64
-    is_prefix_caching: bool = True
-
-
-@dataclass(slots=True)
-class DeviceUsage:
-    num_tokens: int
-    exclusive_bytes: int
-    shared_bytes: int
-
-
-@dataclass(slots=True)
-class StepRecord:
-    decode: list[str]  # request ids that fed one decode token
-    prefill: list[tuple[str, int]]  # (request id, chunk length)
 
 
 class BatchEngine:
@@ -245,6 +225,11 @@ class BatchEngine:
                 if is_oom
                 else Failed("internal_error", "the forward pass failed")
             )
+            if is_oom:  # give the device room: cached K/V nobody holds goes (transcripts stay)
+                with self.blocks.lock:
+                    self.blocks.discard(self.blocks.idle_blocks())
+                if self.loaded.device.type == "cuda":
+                    torch.cuda.empty_cache()
             for row in rows:
                 self._finish(row.seq, failed, is_complete=False)
             return

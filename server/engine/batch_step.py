@@ -13,6 +13,7 @@ import torch
 from server.engine.block_manager import BlockManager
 from server.engine.paged_attention import STEP_KWARG, KVPool, SeqSpan, StepMeta
 from server.engine.sequence import Sequence
+from server.engine.types import EngineError
 
 
 class PagedSequence(Sequence):
@@ -30,6 +31,36 @@ class PagedSequence(Sequence):
         if self.is_prefilled:
             return [self.generated_ids[-1]]
         return self.request.prompt_ids[len(self.fed_ids) : len(self.fed_ids) + budget]
+
+
+class QueueFull(EngineError):
+    code = "server_overloaded"
+
+
+class TooLarge(EngineError):
+    code = "context_length_exceeded"
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    budget_bytes: int
+    block_size: int = 16
+    max_batch_tokens: int = 256
+    max_queue: int = 64
+    is_prefix_caching: bool = True
+
+
+@dataclass(slots=True)
+class DeviceUsage:
+    num_tokens: int
+    exclusive_bytes: int
+    shared_bytes: int
+
+
+@dataclass(slots=True)
+class StepRecord:
+    decode: list[str]  # request ids that fed one decode token
+    prefill: list[tuple[str, int]]  # (request id, chunk length)
 
 
 @dataclass(slots=True)

@@ -7,13 +7,14 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from server.engine import batch_engine as batch_module
 from server.engine.batch_engine import BatchEngine, PoolConfig, QueueFull
 from server.engine.kv_store import KVStore
 from server.engine.registry import load_model
 from server.engine.sampler import Sampler
-from server.engine.types import GenerationRequest, SamplingParams, SessionKey
+from server.engine.types import Failed, GenerationRequest, SamplingParams, SessionKey
 from tests.helpers import reference_greedy, run
 
 BLOCK = 4
@@ -194,3 +195,36 @@ async def test_a_sampling_error_fails_only_its_request(engine, tiny32, monkeypat
         run(engine, prompt, rid="good", max_tokens=5, ignore_eos=True),
     )
     assert bad.error.code == "internal_error" and good.usage.completion_tokens == 5
+
+
+async def test_out_of_memory_fails_the_step_and_frees_cached_blocks(engine, tiny32, monkeypatch):
+    prompt = ids(tiny32, "Hello world, hello kvserve.")
+    await run(engine, prompt, session="cached", max_tokens=4, ignore_eos=True)
+    assert engine.blocks.num_cached_idle > 0  # its K/V stays as cache
+    real = batch_module.run_forward
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(batch_module, "run_forward", out_of_memory)
+    failed = await run(engine, ids(tiny32, "Paris is"), max_tokens=4)
+    assert failed.error.code == "out_of_memory"  # 503 over HTTP
+    assert engine.blocks.num_cached_idle == 0 and engine.blocks.num_used == 0  # room made for the next try
+    monkeypatch.setattr(batch_module, "run_forward", real)
+    again = await run(engine, prompt, max_tokens=3, ignore_eos=True)
+    assert again.error is None and again.usage.cached_tokens == 0  # the cache went; the engine serves on
+
+
+async def test_a_stream_left_unread_is_ended_without_stalling_the_batch(engine, tiny32):
+    prompt = ids(tiny32, "Hello world")
+    unread = engine.submit(
+        GenerationRequest("slow", prompt, SamplingParams(max_tokens=500, ignore_eos=True), max_unread_events=8)
+    )
+    other = await run(engine, prompt, rid="reader", max_tokens=40, ignore_eos=True)  # runs alongside
+    assert other.usage.completion_tokens == 40
+    while engine.num_active:
+        await asyncio.sleep(0.01)
+    events = [event async for event in unread]
+    assert isinstance(events[-1], Failed) and events[-1].code == "slow_reader"
+    assert len(events) < 20  # ended soon after 8 unread events, not after 500 tokens
+    assert engine.blocks.num_used == 0
