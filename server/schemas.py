@@ -11,7 +11,8 @@ SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 MAX_STOP = 16
 MAX_LOGIT_BIAS = 1024
 
-StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=MAX_STOP)]
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP)]
 SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN, description="1-128 characters of [A-Za-z0-9_-]")]
 
 # Fields OpenAI defines that kvserve does not implement yet, with the value that means "not used".
@@ -91,7 +92,7 @@ class SamplingFields(_Unsupported):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | StopList | None = None
+    stop: StopString | StopList | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
     ignore_eos: bool = False
     stream: bool = False

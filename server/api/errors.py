@@ -28,6 +28,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         name = (err.get("ctx") or {}).get("name") or param
         return ApiError(400, "unsupported_parameter", str(err.get("msg")), name)
     if kind == "missing":
+        if param is None:
+            return ApiError(400, "invalid_json", "the request body is missing")
         return ApiError(400, "invalid_parameter", f"missing required parameter '{param}'", param)
     where = f"'{param}': " if param else ""
     return ApiError(400, "invalid_parameter", f"{where}{err.get('msg')}", param)
@@ -51,7 +53,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        # FastAPI's own 400 is a body it could not decode (e.g. invalid UTF-8): as invalid as bad JSON.
+        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, code, str(exc.detail))
 
     @app.exception_handler(Exception)
