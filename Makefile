@@ -49,6 +49,8 @@ bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/concurrency.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/restore.py
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/restart.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/load.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/faults.py
 
 clean:
 	rm -rf $(VENV) models/cache .pytest_cache .ruff_cache

@@ -2,7 +2,7 @@
 # Build the CPU variant of the image with Podman and smoke-test a running container.
 # Follows ../shared/CONTAINERS.md: a debootstrap base (no registry), engine config in a scratch
 # containers.conf (nothing written under /etc), torch from a local wheelhouse.
-# Checks: /ready, a streamed chat turn on a session, a second turn reporting cached tokens,
+# Checks: /ready, the warning about running without API keys, a streamed chat turn on a session, a second turn reporting cached tokens,
 # the HEALTHCHECK, a non-root process, `podman stop` ending it with exit code 0, and after a restart on
 # the same volume the session listed with its turns and its next turn's K/V restored from disk.
 # Exits non-zero on any failure; removes the container and volumes it started.
@@ -90,6 +90,7 @@ wait_ready() {
 
 step "wait for /ready (first start converts the GGUF into the state volume)"
 wait_ready
+podman logs "$NAME" 2>&1 | grep -A 3 "NO API KEYS" || fail "no loud warning about running without API keys"
 
 chat() {  # $1: messages JSON; prints the SSE stream
     curl -sN "$base/v1/chat/completions" -H 'Content-Type: application/json' -H 'X-Session-ID: smoke' \
