@@ -38,7 +38,12 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 def _is_type_tag(part) -> bool:
     """Union members add their type to an error's loc ("str", "list[str]", "TextPart"): not a field name."""
     text = str(part)
-    return text in {"str", "int", "float", "bool", "list", "dict"} or "[" in text or text[:1].isupper()
+    return (
+        text in {"str", "int", "float", "bool", "list", "dict"}
+        or "[" in text
+        or text[:1].isupper()
+        or text.startswith("constrained-")  # an Annotated member of a union
+    )
 
 
 def install(app: FastAPI) -> None:
