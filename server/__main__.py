@@ -70,7 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: None)
     app = create_app(settings)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=1
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=1,
+        access_log=False,  # the gate writes one line per request, with its ids
     )
     _draining_server()(config, app, settings.shutdown_grace_s).run()
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,11 @@ class KeyRing:
         return {tenant for _digest, tenant in self.digests}
 
 
+KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/=-]{8,512}")
+
+
 def parse_keys(text: str) -> list[tuple[str, str]]:
+    """`key:tenant` items separated by commas or lines; `#` starts a comment. Keys of 8+ URL-safe characters."""
     pairs = []
     for raw in text.replace(",", "\n").splitlines():
         item = raw.split("#", 1)[0].strip()
@@ -46,16 +51,21 @@ def parse_keys(text: str) -> list[tuple[str, str]]:
             continue
         key, _, tenant = item.partition(":")
         key, tenant = key.strip(), tenant.strip()
-        if len(key) < 8:
-            raise ValueError("API keys must be at least 8 characters")
-        pairs.append((key, tenant or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]))
-    return pairs
+        if not KEY_PATTERN.fullmatch(key):
+            raise ValueError("API keys are 8-512 characters of [A-Za-z0-9._~+/=-]")
+        pairs.append((key, tenant))
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("the same API key is listed twice")
+    # A key without a tenant gets a numbered one (never derived from the key, which would leak into logs).
+    return [(key, tenant or f"key-{i + 1}") for i, (key, tenant) in enumerate(pairs)]
 
 
 def load_keys(inline: str | None, path: Path | None) -> KeyRing:
-    pairs = parse_keys(inline or "")
-    if path is not None:
-        pairs += parse_keys(Path(path).read_text())
+    """Raises ValueError when keys were configured but none is usable: a server must not fall open."""
+    pairs = parse_keys((inline or "") + "\n" + (Path(path).read_text() if path is not None else ""))
+    if (inline or path is not None) and not pairs:
+        raise ValueError("API keys are configured (KVSERVE_API_KEYS / KVSERVE_API_KEYS_FILE) but none was found")
     return KeyRing(tuple((hashlib.sha256(key.encode()).digest(), tenant) for key, tenant in pairs))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 MAX_MESSAGE_CHARS = 512
+MAX_PARAM_CHARS = 128
 
 TYPES = {
     400: "invalid_request_error",
@@ -48,6 +49,8 @@ class ApiError(Exception):
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    if param is not None and len(param) > MAX_PARAM_CHARS:
+        param = param[: MAX_PARAM_CHARS - 3] + "..."  # a field name can be as long as the body allows
     kind = TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

@@ -101,15 +101,16 @@ class _StateCollector:
         )
         kv_bytes = GaugeMetricFamily("kvserve:kv_cache_bytes", "K/V bytes held, by tier", labels=["tier"])
         evictions = CounterMetricFamily("kvserve:kv_evictions", "K/V moved down or dropped, by tier", labels=["tier"])
-        device_bytes = 0
-        for model_id, engine in host.engines.items():
+        device_bytes = device_evictions = 0
+        for model_id, engine in list(host.engines.items()):  # the loader thread may add one meanwhile
             running.add_metric([model_id], engine.num_active - len(getattr(engine, "_waiting", ())))
             waiting.add_metric([model_id], engine.num_queued + len(getattr(engine, "_waiting", ())))
             blocks = getattr(engine, "blocks", None)
             if blocks is not None:
                 usage.add_metric([model_id], blocks.num_used / blocks.num_blocks)
                 device_bytes += (blocks.num_used + blocks.num_cached_idle) * engine.block_bytes
-                evictions.add_metric(["device"], blocks.num_evictions)
+                device_evictions += blocks.num_evictions
+        evictions.add_metric(["device"], device_evictions)
         tiers = host.store.tiers.totals()
         kv_bytes.add_metric(["device"], device_bytes + host.store.stats().nbytes)
         kv_bytes.add_metric(["host"], tiers.host_bytes)

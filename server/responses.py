@@ -26,7 +26,7 @@ from server.engine.types import Failed, Finished, GenerationRequest, SamplingPar
 from server.errors import ENGINE_STATUS, ApiError, error_body
 from server.prompts import output_budget
 from server.response_schemas import ResponseRequest
-from server.serving import Serving, cache_headers, cancel_on_disconnect
+from server.serving import SEND_TIMEOUT_S, Serving, cache_headers, cancel_on_disconnect
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
@@ -138,6 +138,7 @@ class Responses:
         }
         key = SessionKey(tenant, response_id, "response") if req.store else None
         if key is not None:
+            self.serving.check_quota(key, len(prompt_ids) + budget, engine)  # before the record exists
             ttl = self.settings.response_retention_s
             self.store.create(key, engine.model_id, ttl, parent=req.previous_response_id, record=dict(record))
         timeout = self.settings.request_timeout_s
@@ -154,7 +155,9 @@ class Responses:
         headers = cache_headers(admitted)
         events = self.serving.metrics.meter(handle, engine.model_id, started)
         if req.stream:
-            return EventSourceResponse(run.events(handle, events), headers=headers, sep="\n", ping=15)
+            return EventSourceResponse(
+                run.events(handle, events), headers=headers, sep="\n", ping=15, send_timeout=SEND_TIMEOUT_S
+            )
         return await run.collect(handle, events, http, headers)
 
     def get(self, response_id: str, tenant: str) -> dict:

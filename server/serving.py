@@ -29,6 +29,7 @@ from server.schemas import SESSION_ID_PATTERN, ChatCompletionRequest, Completion
 log = logging.getLogger("kvserve.requests")
 SESSION_HEADER = "X-Session-ID"
 RETRY_AFTER_S = 1
+SEND_TIMEOUT_S = 60  # a client that accepts no bytes for this long is disconnected
 
 
 class Serving:
@@ -88,7 +89,7 @@ class Serving:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunks = _sse(handle, events, meta, token_text, include_usage)
-            return EventSourceResponse(chunks, headers=headers, sep="\n", ping=15)
+            return EventSourceResponse(chunks, headers=headers, sep="\n", ping=15, send_timeout=SEND_TIMEOUT_S)
         return await _collect(handle, events, http, meta, token_text, headers)
 
     async def start(
@@ -100,7 +101,9 @@ class Serving:
         """
         if self.host.is_draining:
             raise ApiError(503, "shutting_down", "the server is shutting down; retry on another instance")
-        if gen.session is not None and not gen.session.is_bucket:
+        if gen.session is not None and gen.session.is_bucket:
+            gen.session = self._bucket_within_quota(gen.session)
+        elif gen.session is not None:
             self.check_quota(gen.session, len(gen.prompt_ids) + gen.params.max_tokens, engine)
         gen.max_unread_events = self.settings.max_unread_events
         if restore_from is not None and gen.use_cache:
@@ -135,6 +138,13 @@ class Serving:
         if self.settings.log_prompts:
             log.debug("request %s prompt ids: %s", gen.request_id, gen.prompt_ids)
         return handle, first
+
+    def _bucket_within_quota(self, key: SessionKey) -> SessionKey | None:
+        """A prompt_cache_key is a hint: past the tenant's limit of buckets the request just runs without one."""
+        store = self.host.store
+        num_buckets, _ = store.tenant_usage(key.tenant, exclude=key)
+        is_new = not store.is_live(key)
+        return None if is_new and num_buckets >= self.settings.max_sessions_per_tenant else key
 
     def check_quota(self, key: SessionKey, num_new_tokens: int, engine) -> None:
         """429 quota_exceeded when this session (new or growing) would take the tenant past its limits."""

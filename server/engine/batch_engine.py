@@ -225,11 +225,11 @@ class BatchEngine:
                 if is_oom
                 else Failed("internal_error", "the forward pass failed")
             )
-            if is_oom:  # give the device room: cached K/V nobody holds goes (transcripts stay)
-                with self.blocks.lock:
-                    self.blocks.discard(self.blocks.idle_blocks())
-                if self.loaded.device.type == "cuda":
-                    torch.cuda.empty_cache()
+            if is_oom and self.loaded.device.type == "cuda":
+                # The pool is allocated up front: dropping cached blocks would free no device memory,
+                # only every tenant's prefix cache. The failed step's blocks go back below; the
+                # allocator's cached activations go here.
+                torch.cuda.empty_cache()
             for row in rows:
                 self._finish(row.seq, failed, is_complete=False)
             return
@@ -254,6 +254,9 @@ class BatchEngine:
     def _sample(self, seq: PagedSequence, logits: torch.Tensor) -> None:
         try:
             delta = seq.accept(*seq.sampler.sample(logits))
+        except torch.OutOfMemoryError:
+            self._finish(seq, Failed("out_of_memory", "the device ran out of memory"), is_complete=False)
+            return
         except Exception:
             log.exception("request %s failed while sampling", seq.request.request_id)
             self._finish(seq, Failed("internal_error", "sampling or detokenizing failed"), is_complete=False)

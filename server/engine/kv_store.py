@@ -10,20 +10,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from server.engine.cache_budget import CacheBudget
 from server.engine.journal import Journal
 from server.engine.kv_cache import cache_nbytes, shrink_cache
-from server.engine.session import CompletedTurn, Entry, SessionInfo, StoreStats, common_prefix_len, info_of
+from server.engine.session import CompletedTurn, Entry, SessionInfo, StoreStats, info_of
 from server.engine.tiers import TierStore
 from server.engine.types import SessionBusy, SessionKey, SessionModelMismatch, SessionNotFound
 
 log = logging.getLogger("kvserve.sessions")
 
 
-class KVStore:
+class KVStore(CacheBudget):
     def __init__(
         self,
         budget_bytes: int,
@@ -43,7 +45,7 @@ class KVStore:
         self._entries: dict[SessionKey, Entry] = {}
         self.num_evictions = 0
         self.num_expired = 0
-        self._forgotten: list[tuple[str, SessionKey, list[int]]] = []  # for the engines to drop device K/V
+        self._forgotten: deque[tuple[str, SessionKey, list[int]]] = deque(maxlen=10_000)  # for the engines
 
     # -- creating and restoring ---------------------------------------------------
     def _new_entry(self, key: SessionKey, model_id: str, ttl_s: float | None) -> Entry:
@@ -102,15 +104,6 @@ class KVStore:
             return entry
 
     # -- engine thread ----------------------------------------------------------
-    def take_cache(self, entry: Entry, prompt_ids: list[int]) -> tuple[Any, int]:
-        """The entry's cache and how many prompt tokens it already holds (at least one left to compute)."""
-        with self._lock:
-            cache, cached_ids = entry.cache, entry.cached_ids
-            entry.cache, entry.cached_ids, entry.nbytes = None, [], 0
-        if cache is None:
-            return None, 0
-        return cache, min(common_prefix_len(cached_ids, prompt_ids), len(prompt_ids) - 1)
-
     def release(
         self,
         entry: Entry,
@@ -155,12 +148,6 @@ class KVStore:
         if record is not None:
             self.journal.save(entry.key, record)  # Journal.save skips a session deleted meanwhile
         return staged
-
-    def make_room(self, num_bytes: int) -> None:
-        """Evict idle entries so that `num_bytes` more fit in the budget (as far as idle entries allow)."""
-        with self._lock:
-            self._expire_locked()
-            self._evict_locked(num_bytes)
 
     def idle_transcripts(self, model_id: str) -> list[tuple[SessionKey, list[int]]]:
         """Idle sessions and responses of a model, least recently used first: what may leave the device."""
@@ -258,14 +245,15 @@ class KVStore:
         """Sessions of a model deleted or expired since the last call: their device K/V may go too."""
         with self._lock:
             mine = [(k, ids) for m, k, ids in self._forgotten if m == model_id]
-            self._forgotten = [item for item in self._forgotten if item[0] != model_id]
+            self._forgotten = deque((i for i in self._forgotten if i[0] != model_id), maxlen=self._forgotten.maxlen)
             return mine
 
     def tenant_usage(self, tenant: str, exclude: SessionKey) -> tuple[int, int]:
-        """(sessions and stored responses, their transcript tokens) of a tenant, `exclude` left out."""
+        """(entries of `exclude`'s kind, transcript tokens of its sessions and responses), `exclude` left out."""
         with self._lock:
-            mine = [e for k, e in self._entries.items() if k.tenant == tenant and not k.is_bucket and k != exclude]
-            return len(mine), sum(len(e.transcript_ids) for e in mine)
+            mine = [(k, e) for k, e in self._entries.items() if k.tenant == tenant and k != exclude]
+            same = sum(1 for k, _ in mine if k.is_bucket == exclude.is_bucket)
+            return same, sum(len(e.transcript_ids) for k, e in mine if not k.is_bucket)
 
     def session_keys(self) -> set[SessionKey]:
         with self._lock:
@@ -276,23 +264,6 @@ class KVStore:
             return key in self._entries
 
     # -- internals (lock held) --------------------------------------------------
-    def _evict_locked(self, extra_bytes: int) -> None:
-        total = sum(e.nbytes for e in self._entries.values())
-        if total + extra_bytes <= self.budget_bytes:
-            return
-        idle = sorted(
-            (e for e in self._entries.values() if not e.is_in_use and e.cache is not None),
-            key=lambda e: e.last_use,
-        )
-        for entry in idle:
-            if total + extra_bytes <= self.budget_bytes:
-                break
-            total -= entry.nbytes
-            entry.cache, entry.cached_ids, entry.nbytes = None, [], 0
-            self.num_evictions += 1
-            if entry.key.is_bucket:
-                del self._entries[entry.key]  # a bucket without K/V holds nothing worth keeping
-
     def _expire_locked(self) -> list[SessionKey]:
         """Drop idle entries past their TTL; the caller forgets their files (outside the lock)."""
         now = self._clock()

@@ -19,6 +19,7 @@ from server.engine.types import SessionKey
 
 log = logging.getLogger("kvserve.engine")
 MAX_PENDING_BYTES = 1 << 30  # at shutdown, snapshots waiting for the disk writer
+MAX_SESSIONS_WALKED = 256  # above this, a delete leaves its blocks to the LRU instead of walking every session
 
 
 def chain_blocks(manager: BlockManager, salt: str, token_ids: list[int]) -> tuple[list[Block], int]:
@@ -108,13 +109,22 @@ class Offloader:
                 return
 
     def discard_forgotten(self) -> None:
-        """A deleted or expired session's K/V leaves the pool too, unless another session reaches it."""
+        """A deleted or expired session's K/V leaves the pool too, unless another session reaches it.
+
+        Runs on the engine thread, the pool's only writer, so the walk needs no lock; it is skipped
+        for tenants with very many sessions (the blocks are unreferenced and the LRU reclaims them).
+        """
+        by_tenant: dict[str, list[list[int]]] = {}
         for key, token_ids in self.store.take_forgotten(self.model_id):
-            others = self.store.others(key, self.model_id)
+            by_tenant.setdefault(key.tenant, []).append(token_ids)
+        for tenant, transcripts in by_tenant.items():
+            others = self.store.others(SessionKey(tenant, ""), self.model_id)
+            if len(others) > MAX_SESSIONS_WALKED:
+                continue
+            kept = {b.block_id for ids in others for b in chain_blocks(self.manager, tenant, ids)[0]}
+            gone = [b for ids in transcripts for b in chain_blocks(self.manager, tenant, ids)[0]]
             with self.manager.lock:
-                kept = {b.block_id for ids in others for b in chain_blocks(self.manager, key.tenant, ids)[0]}
-                blocks = chain_blocks(self.manager, key.tenant, token_ids)[0]
-                self.manager.discard([b for b in blocks if b.block_id not in kept])
+                self.manager.discard([b for b in gone if b.block_id not in kept])
 
     def save_all(self) -> int:
         saved = 0

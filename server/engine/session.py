@@ -56,7 +56,7 @@ class Entry:
 
     def apply(self, turn: CompletedTurn) -> None:
         self.transcript_ids = list(turn.transcript_ids)
-        if turn.messages is None:
+        if turn.messages is None or self.key.is_bucket:  # a bucket is a cache key: it keeps no prompt text
             self.messages = []
         else:
             reply = [] if turn.is_base else [{"role": "assistant", "content": turn.text}]

@@ -78,6 +78,7 @@ class Engine:
         while not self._inbox.is_closed:
             try:
                 self._active += self._inbox.take(not self._active, lambda *item: Sequence(*item, self.loaded))
+                self.store.take_forgotten(self.model_id)  # its caches left with their entries: nothing to drop
             except Exception:
                 log.exception("taking new requests failed")
             for seq in list(self._active):
@@ -100,7 +101,10 @@ class Engine:
             else:
                 self._emit(seq, seq.decode(self._forward))
         except torch.OutOfMemoryError:
-            log.warning("request %s: device out of memory", seq.request.request_id)
+            log.warning("request %s: device out of memory; idle sessions' caches are dropped", seq.request.request_id)
+            self.store.make_room(self.store.budget_bytes + 1)  # every idle cache goes (transcripts stay)
+            if self.loaded.device.type == "cuda":
+                torch.cuda.empty_cache()
             self._finish(seq, Failed("out_of_memory", "the device ran out of memory"), is_complete=False)
         except Exception:
             log.exception("request %s failed", seq.request.request_id)

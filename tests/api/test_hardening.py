@@ -63,12 +63,18 @@ def test_a_bad_body_without_a_key_is_401_not_400(guarded):
     assert r.status_code == 401
 
 
-def test_keys_are_compared_whole_and_name_their_tenant():
+def test_keys_are_compared_whole_and_name_their_tenant(tmp_path):
     keys = load_keys("sk-abcdefgh:one, sk-ijklmnop", None)
     assert keys.tenant_for("sk-abcdefgh") == "one" and keys.tenant_for("sk-abcdefg") is None
-    assert keys.tenant_for("sk-ijklmnop").startswith("key-")
-    with pytest.raises(ValueError):
-        load_keys("short:x", None)
+    assert keys.tenant_for("sk-ijklmnop") == "key-2"  # numbered, never derived from the key
+    for bad in ("short:x", "sk-abcdefgh:a,sk-abcdefgh:b", "sk-abc def gh:x"):
+        with pytest.raises(ValueError):
+            load_keys(bad, None)
+    (empty := tmp_path / "keys").write_text("# nothing here yet\n")
+    with pytest.raises(ValueError):  # configured but empty: refuse to start rather than serve without auth
+        load_keys(None, empty)
+    (empty).write_text("sk-from-file-1:filed  # a comment\n")
+    assert load_keys(None, empty).tenant_for("sk-from-file-1") == "filed"
 
 
 def test_tenants_cannot_see_or_reach_each_others_sessions_and_responses(guarded):
@@ -126,6 +132,14 @@ def test_quotas_answer_429_quota_exceeded(tiny_spec):
         body = {"model": "tiny", "prompt": [5] * 250, "max_tokens": 2, "session_id": sid}  # 1 KiB/token: > 200 KiB
         r = c.post("/v1/completions", json=body)
         assert r.status_code == 429 and "bytes of K/V" in r.json()["error"]["message"]
+        r = c.post("/v1/responses", json={"model": "tiny", "input": "Hi"})  # stored responses count too
+        assert r.status_code == 429 and r.json()["error"]["code"] == "quota_exceeded"
+        assert c.post("/v1/responses", json={"model": "tiny", "input": "Hi", "store": False}).status_code == 200
+        store = c.app.state.host.store
+        for i in range(4):  # cache buckets are hints: past the limit a request runs without one, never a 429
+            assert chat(c, "", None, prompt_cache_key=f"bucket-{i}").status_code == 200
+        buckets = [k for k in store.session_keys() if k.is_bucket]
+        assert len(buckets) == 2 and all(store.view(k).messages == [] for k in buckets)  # and keep no prompt text
 
 
 def test_metrics_are_exposed_with_kvserve_names(guarded):

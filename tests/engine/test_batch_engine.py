@@ -197,10 +197,9 @@ async def test_a_sampling_error_fails_only_its_request(engine, tiny32, monkeypat
     assert bad.error.code == "internal_error" and good.usage.completion_tokens == 5
 
 
-async def test_out_of_memory_fails_the_step_and_frees_cached_blocks(engine, tiny32, monkeypatch):
+async def test_out_of_memory_fails_the_step_and_the_engine_serves_on(engine, tiny32, monkeypatch):
     prompt = ids(tiny32, "Hello world, hello kvserve.")
     await run(engine, prompt, session="cached", max_tokens=4, ignore_eos=True)
-    assert engine.blocks.num_cached_idle > 0  # its K/V stays as cache
     real = batch_module.run_forward
 
     def out_of_memory(*args):
@@ -209,10 +208,11 @@ async def test_out_of_memory_fails_the_step_and_frees_cached_blocks(engine, tiny
     monkeypatch.setattr(batch_module, "run_forward", out_of_memory)
     failed = await run(engine, ids(tiny32, "Paris is"), max_tokens=4)
     assert failed.error.code == "out_of_memory"  # 503 over HTTP
-    assert engine.blocks.num_cached_idle == 0 and engine.blocks.num_used == 0  # room made for the next try
+    assert engine.blocks.num_used == 0 and engine.blocks.num_reserved == 0  # the failed step's blocks came back
     monkeypatch.setattr(batch_module, "run_forward", real)
     again = await run(engine, prompt, max_tokens=3, ignore_eos=True)
-    assert again.error is None and again.usage.cached_tokens == 0  # the cache went; the engine serves on
+    # The pool is allocated up front: other tenants' cache is kept (dropping it would free no memory).
+    assert again.error is None and again.usage.cached_tokens > 0
 
 
 async def test_a_stream_left_unread_is_ended_without_stalling_the_batch(engine, tiny32):

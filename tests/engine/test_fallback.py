@@ -7,7 +7,10 @@ import logging
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
+from server.engine import sequence as sequence_module
+from server.engine.kv_store import KVStore
 from server.engine.registry import ModelSpec
+from server.engine.types import SessionKey
 from server.engine.worker import Engine
 from server.hosting import ModelHost
 from server.settings import Settings
@@ -44,3 +47,27 @@ async def test_sliding_window_model_falls_back_with_one_log_line(tmp_path, caplo
     second = await run(engine, prompt + first.token_ids + prompt, session="s", max_tokens=4, ignore_eos=True)
     assert second.usage.cached_tokens == len(prompt) + 3  # a pure extension reuses the session's cache
     host.close()
+
+
+async def test_out_of_memory_on_the_per_session_engine_drops_idle_caches(tiny, monkeypatch):
+    store = KVStore(budget_bytes=1 << 30, ttl_s=3600)
+    engine = Engine(tiny, store)
+    engine.start()
+    try:
+        prompt = tiny.tokenizer("Hello world")["input_ids"]
+        await run(engine, prompt, session="idle", max_tokens=3, ignore_eos=True)
+        assert store.info(SessionKey("default", "idle")).nbytes > 0
+        real = sequence_module.Sequence.prefill
+
+        def out_of_memory(self, *args):
+            raise torch.OutOfMemoryError("out of memory (injected)")
+
+        monkeypatch.setattr(sequence_module.Sequence, "prefill", out_of_memory)
+        failed = await run(engine, prompt, session="other", max_tokens=3)
+        assert failed.error.code == "out_of_memory"
+        assert store.info(SessionKey("default", "idle")).nbytes == 0  # device memory given back
+        assert store.info(SessionKey("default", "idle")).num_transcript_tokens > 0  # the transcript stays
+        monkeypatch.setattr(sequence_module.Sequence, "prefill", real)
+        assert (await run(engine, prompt, session="idle", max_tokens=3)).error is None
+    finally:
+        engine.stop()
