@@ -244,6 +244,8 @@ class KVStore(CacheBudget):
     def take_forgotten(self, model_id: str) -> list[tuple[SessionKey, list[int]]]:
         """Sessions of a model deleted or expired since the last call: their device K/V may go too."""
         with self._lock:
+            if not self._forgotten:  # the common case, checked on every engine step
+                return []
             mine = [(k, ids) for m, k, ids in self._forgotten if m == model_id]
             self._forgotten = deque((i for i in self._forgotten if i[0] != model_id), maxlen=self._forgotten.maxlen)
             return mine
