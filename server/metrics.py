@@ -103,8 +103,8 @@ class _StateCollector:
         evictions = CounterMetricFamily("kvserve:kv_evictions", "K/V moved down or dropped, by tier", labels=["tier"])
         device_bytes = device_evictions = 0
         for model_id, engine in list(host.engines.items()):  # the loader thread may add one meanwhile
-            running.add_metric([model_id], engine.num_active - len(getattr(engine, "_waiting", ())))
-            waiting.add_metric([model_id], engine.num_queued + len(getattr(engine, "_waiting", ())))
+            running.add_metric([model_id], engine.num_active - engine.num_waiting)
+            waiting.add_metric([model_id], engine.num_queued + engine.num_waiting)
             blocks = getattr(engine, "blocks", None)
             if blocks is not None:
                 usage.add_metric([model_id], blocks.num_used / blocks.num_blocks)

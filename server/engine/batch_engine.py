@@ -91,6 +91,11 @@ class BatchEngine:
     def num_active(self) -> int:
         return len(self._running) + len(self._waiting)
 
+    @property
+    def num_waiting(self) -> int:
+        """Admitted to the engine but waiting for K/V blocks (part of num_active)."""
+        return len(self._waiting)
+
     def residency(self, key: SessionKey, transcript_ids: list[int], others: list[list[int]]) -> DeviceUsage:
         """A transcript's K/V in the pool: tokens, and bytes of its blocks split into exclusive and shared.
 

@@ -156,9 +156,6 @@ class BlockManager:
                 self._forget(block)
                 self._push_free(block.block_id)
 
-    def idle_blocks(self) -> list[Block]:
-        return list(self._lru.values())
-
     def discard(self, blocks: list[Block]) -> int:
         """Drop cached contents nobody holds (a deleted session's K/V); returns how many blocks were freed."""
         freed = 0

@@ -61,6 +61,10 @@ class Engine:
     def num_active(self) -> int:
         return len(self._active)
 
+    @property
+    def num_waiting(self) -> int:
+        return 0  # every taken request runs at once
+
     def residency(self, key, transcript_ids: list[int], others: list[list[int]]) -> DeviceUsage:
         """A session's own cache in the store: never shared with another session."""
         info = self.store.info(key)
