@@ -62,7 +62,6 @@ def spawn_server(extra_args: list[str] | None = None, env: dict | None = None) -
 def hf_decode_rate(args, prompts: list[list[dict]], num_tokens: int, repeats: int = 3) -> float | None:
     """Median decode tokens/s of HF generate() in this process on the same prompts: (N-1) / (T(N) - T(1))."""
     import torch
-
     from server.engine.registry import ModelSpec, load_model, read_specs
 
     if args.hf_model_dir:

@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
-
 from server.engine.batch_engine import BatchEngine, PoolConfig
 from server.engine.kv_store import KVStore
 from server.engine.registry import load_model, read_specs
 from server.engine.types import Finished, GenerationRequest, SamplingParams
+from transformers import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

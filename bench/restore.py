@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 
 import torch
-
-from server.engine import offload
 from server.engine.batch_engine import BatchEngine, PoolConfig
 from server.engine.kv_cache import bytes_per_token
 from server.engine.kv_store import KVStore
 from server.engine.registry import load_model, read_specs
 from server.engine.tiers import TierStore
 from server.engine.types import Finished, GenerationRequest, SamplingParams, SessionKey, TextDelta
+
+from server.engine import offload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine_line, replace_section  # noqa: E402

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from server.engine.paged_attention import STEP_KWARG, KVPool, SeqSpan, StepMeta, install
 from server.engine.registry import load_model, read_specs
 

@@ -18,7 +18,6 @@ OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or th
     "--models-file": "models_file",
     "--cache-dir": "cache_dir",
     "--kv-budget-bytes": "kv_budget_bytes",
-    "--engine": "engine",
     "--block-size": "block_size",
     "--max-batch-tokens": "max_batch_tokens",
     "--max-queue": "max_queue",
@@ -113,8 +112,8 @@ def _draining_server():
 
 
 def _prepare(settings: Settings) -> int:
-    from server.engine.registry import ModelLoadError, load_model
     from server.hosting import resolve_specs
+    from server.models.loader import ModelLoadError, load_model
 
     status = 0
     for spec in resolve_specs(settings):

@@ -8,15 +8,17 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from server import __version__
-from server.api import chat, completions, errors, health, metrics, models, responses, sessions
-from server.api.gate import Gate
-from server.auth import announce, load_keys
-from server.engine.registry import ModelSpec
 from server.hosting import ModelHost
+from server.http import errors
+from server.http.auth import announce, load_keys
+from server.http.gate import Gate
+from server.http.routes import chat, completions, health, metrics, models, responses, sessions
 from server.metrics import Metrics
-from server.responses import Responses
-from server.serving import Serving
-from server.sessions import Sessions
+from server.models.loader import ModelSpec
+from server.serving.completions import Completions
+from server.serving.core import Serving
+from server.serving.responses import Responses
+from server.serving.sessions import Sessions
 from server.settings import Settings
 
 log = logging.getLogger("kvserve")
@@ -32,7 +34,8 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
         app.state.host = host
         app.state.metrics = metrics = Metrics(host)
         announce(keys, settings.host)
-        app.state.serving = serving = Serving(host, metrics)
+        serving = Serving(host, metrics)
+        app.state.completions = Completions(serving)
         app.state.sessions = Sessions(serving)
         app.state.responses = Responses(serving)
         host.start()

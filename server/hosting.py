@@ -1,4 +1,5 @@
-"""The served models: loaded in the background (so /ready can say 503 meanwhile), one engine each."""
+"""The served models: loaded in the background (so /ready can say 503 meanwhile), one engine each,
+over one session store and one set of K/V tiers."""
 
 from __future__ import annotations
 
@@ -8,13 +9,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.engine.batch_engine import BatchEngine, PoolConfig
-from server.engine.journal import Journal
-from server.engine.kv_store import KVStore
-from server.engine.paged_attention import unpageable_reason
-from server.engine.registry import ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
-from server.engine.tiers import TierStore
-from server.engine.worker import Engine
+from server.engine.engine import Engine, EngineConfig
+from server.kv.tiers import TierStore
+from server.models.loader import LoadedModel, ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
+from server.sessions.journal import Journal
+from server.sessions.store import SessionStore
 from server.settings import Settings, default_host_kv_budget, default_kv_budget
 
 log = logging.getLogger("kvserve")
@@ -33,16 +32,15 @@ class ModelHost:
         specs = specs if specs is not None else resolve_specs(settings)
         self.states = {s.id: ModelState(s) for s in specs}
         self.engines: dict[str, Engine] = {}
-        budget = settings.kv_budget_bytes or default_kv_budget("cpu", None, _total_ram())
         state = settings.state_dir
         host_budget = settings.host_kv_budget_bytes
         if host_budget is None:
             host_budget = default_host_kv_budget(_likely_device(specs), _total_ram())
-        tiers = TierStore(host_budget, settings.disk_kv_budget_bytes, state / "kv" if state else None)
+        self.tiers = TierStore(host_budget, settings.disk_kv_budget_bytes, state / "kv" if state else None)
         journal = Journal(state / "sessions" if state else None)
-        self.store = KVStore(budget, settings.session_ttl_s, journal=journal, tiers=tiers)
-        num_sessions, num_snapshots = self.store.restore(), tiers.scan()
-        num_snapshots -= tiers.retain(self.store.session_keys())  # snapshots of sessions no record knows
+        self.store = SessionStore(settings.session_ttl_s, journal=journal, forgetters=(self.tiers,))
+        num_sessions, num_snapshots = self.store.restore(), self.tiers.scan()
+        num_snapshots -= self.tiers.retain(self.store.session_keys())  # snapshots of sessions no record knows
         if state:
             log.info("state in %s: %d sessions and %d K/V snapshots found", state, num_sessions, num_snapshots)
         self._thread = threading.Thread(target=self._load_all, name="model-loader", daemon=True)
@@ -61,7 +59,7 @@ class ModelHost:
 
     @property
     def num_active(self) -> int:
-        return sum(engine.num_active + engine.num_queued for engine in self.engines.values())
+        return sum(engine.num_active for engine in list(self.engines.values()))
 
     def begin_drain(self) -> None:
         """SIGTERM: new requests answer 503, the ones running may finish."""
@@ -80,8 +78,8 @@ class ModelHost:
                 saved += engine.save_sessions()
             except Exception:
                 log.exception("saving the K/V of model %s failed; its sessions will recompute", engine.model_id)
-        self.store.tiers.flush()
-        self.store.tiers.close()
+        self.tiers.flush()
+        self.tiers.close()
         if self.settings.state_dir:
             log.info("saved the K/V of %d sessions to %s", saved, self.settings.state_dir)
 
@@ -97,29 +95,19 @@ class ModelHost:
                 state.status, state.detail = "failed", str(exc)
                 log.error("%s", exc)
                 continue
-            if self.settings.kv_budget_bytes is None and loaded.device.type == "cuda":
-                self.store.budget_bytes = default_kv_budget("cuda", _free_cuda(loaded.device), _total_ram())
-            engine = self._engine(loaded)
+            engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded))
             engine.start()
             self.engines[state.spec.id] = engine
             state.status = "ready"
             log.info("model %s ready on %s (%s)", state.spec.id, loaded.device, loaded.dtype)
 
-    def _engine(self, loaded):
-        reason = unpageable_reason(loaded.model, loaded.max_context)
-        if self.settings.engine == "per-session":
-            reason = "the per-session engine was asked for"
-        if reason is not None:
-            log.warning(
-                "model %s cannot use the paged K/V pool (%s): serving it one sequence per forward pass "
-                "with per-session caches",
-                loaded.spec.id,
-                reason,
-            )
-            return Engine(loaded, self.store)
+    def _engine_config(self, loaded: LoadedModel) -> EngineConfig:
         s = self.settings
-        pool = PoolConfig(self.store.budget_bytes, s.block_size, s.max_batch_tokens, s.max_queue, s.prefix_caching)
-        return BatchEngine(loaded, self.store, pool)
+        budget = s.kv_budget_bytes
+        if budget is None:
+            free = _free_cuda(loaded.device) if loaded.device.type == "cuda" else None
+            budget = default_kv_budget(loaded.device.type, free, _total_ram())
+        return EngineConfig(budget, s.block_size, s.max_batch_tokens, s.max_queue, s.prefix_caching)
 
 
 def resolve_specs(settings: Settings) -> list[ModelSpec]:
@@ -139,8 +127,8 @@ def _total_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _free_cuda(device) -> int:
+def _free_cuda(device) -> int:  # type: ignore[no-untyped-def]
     import torch
 
     free, _total = torch.cuda.mem_get_info(device)
-    return free
+    return int(free)

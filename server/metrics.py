@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from server.engine.types import Event, Failed, Finished, TextDelta
+from server.engine.request import Event, Failed, Finished, TextDelta
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 
@@ -103,16 +103,15 @@ class _StateCollector:
         evictions = CounterMetricFamily("kvserve:kv_evictions", "K/V moved down or dropped, by tier", labels=["tier"])
         device_bytes = device_evictions = 0
         for model_id, engine in list(host.engines.items()):  # the loader thread may add one meanwhile
-            running.add_metric([model_id], engine.num_active - engine.num_waiting)
-            waiting.add_metric([model_id], engine.num_queued + engine.num_waiting)
-            blocks = getattr(engine, "blocks", None)
-            if blocks is not None:
-                usage.add_metric([model_id], blocks.num_used / blocks.num_blocks)
-                device_bytes += (blocks.num_used + blocks.num_cached_idle) * engine.block_bytes
-                device_evictions += blocks.num_evictions
+            stats = engine.stats
+            running.add_metric([model_id], stats.num_running)
+            waiting.add_metric([model_id], engine.num_active - stats.num_running)
+            usage.add_metric([model_id], stats.num_blocks_used / stats.num_blocks)
+            device_bytes += (stats.num_blocks_used + stats.num_blocks_cached) * engine.block_bytes
+            device_evictions += stats.num_evictions
         evictions.add_metric(["device"], device_evictions)
-        tiers = host.store.tiers.totals()
-        kv_bytes.add_metric(["device"], device_bytes + host.store.stats().nbytes)
+        tiers = host.tiers.totals()
+        kv_bytes.add_metric(["device"], device_bytes)
         kv_bytes.add_metric(["host"], tiers.host_bytes)
         kv_bytes.add_metric(["disk"], tiers.disk_bytes)
         evictions.add_metric(["host"], tiers.num_demoted["disk"])

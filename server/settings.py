@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -30,9 +29,6 @@ class Settings(BaseSettings):
         "half the free device memory on CUDA",
     )
     session_ttl_s: float = Field(3600.0, gt=0, description="idle sessions are forgotten after this")
-    engine: Literal["auto", "per-session"] = Field(
-        "auto", description="auto: batching on the paged pool when the model allows; per-session: one sequence per pass"
-    )
     block_size: int = Field(16, ge=1, le=1024, description="tokens per block of the paged K/V pool")
     max_batch_tokens: int = Field(256, ge=1, description="tokens per engine step (decode tokens + prefill chunks)")
     max_queue: int = Field(64, ge=1, description="requests waiting for K/V blocks; more answer 429")

@@ -9,8 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ["KVSERVE_STATE_DIR"] = ""  # memory only, unless a test gives its app a directory of its own
 
-from server.engine.kv_store import KVStore  # noqa: E402
-from server.engine.registry import LoadedModel, ModelSpec, load_model  # noqa: E402
+from server.models.loader import LoadedModel, ModelSpec, load_model  # noqa: E402
 from tests.tiny import save_tiny  # noqa: E402
 
 
@@ -22,8 +21,3 @@ def tiny_spec(tmp_path_factory) -> ModelSpec:
 @pytest.fixture(scope="session")
 def tiny(tiny_spec) -> LoadedModel:
     return load_model(tiny_spec, Path("unused-cache"))
-
-
-@pytest.fixture()
-def store() -> KVStore:
-    return KVStore(budget_bytes=1 << 30, ttl_s=3600)

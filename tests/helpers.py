@@ -1,21 +1,23 @@
-"""Shared test helpers: run one request through an engine and collect what it produced."""
+"""Shared test helpers: run one request through an engine, the HF reference, and bounded waits."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
-from server.engine.types import (
-    Admitted,
-    Failed,
-    Finished,
-    GenerationRequest,
-    SamplingParams,
-    SessionKey,
-    TextDelta,
-    Usage,
-)
+from server.engine.engine import Engine, EngineConfig, EngineStats
+from server.engine.request import Admitted, Failed, Finished, GenerationRequest, SamplingParams, TextDelta
+from server.kv.tiers import TierStore
+from server.models.loader import LoadedModel
+from server.sessions.record import SessionKey, Usage
+from server.sessions.store import SessionStore
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -29,11 +31,26 @@ class Result:
     admitted: Admitted | None = None
 
 
-async def run(engine, prompt_ids, session: str | None = None, rid: str = "r", snapshot=None, **params) -> Result:
+def request(prompt_ids, session: str | None = None, rid: str = "r", kv_source: str | None = None, **params):
+    """A GenerationRequest as the serving layer builds it: greedy unless told otherwise."""
+    timeout_s = params.pop("timeout_s", None)
+    max_unread_events = params.pop("max_unread_events", None)
+    use_cache = params.pop("use_cache", True)
     params.setdefault("temperature", 0.0)
     key = SessionKey("default", session) if session else None
-    request = GenerationRequest(rid, list(prompt_ids), SamplingParams(**params), key, snapshot=snapshot)
-    handle = engine.submit(request)
+    return GenerationRequest(
+        request_id=rid,
+        prompt_ids=list(prompt_ids),
+        params=SamplingParams(**params),
+        session=key,
+        kv_source=SessionKey("default", kv_source) if kv_source else key,
+        use_cache=use_cache,
+        timeout_s=timeout_s,
+        max_unread_events=max_unread_events,
+    )
+
+
+async def collect(handle) -> Result:
     out = Result()
     async for event in handle:
         if isinstance(event, Admitted):
@@ -47,6 +64,47 @@ async def run(engine, prompt_ids, session: str | None = None, rid: str = "r", sn
         else:
             out.error = event
     return out
+
+
+async def run(engine: Engine, prompt_ids, session: str | None = None, rid: str = "r", **params) -> Result:
+    return await collect(engine.submit(request(prompt_ids, session, rid, **params)))
+
+
+async def settled(engine: Engine) -> EngineStats:
+    """The engine's stats once it has finished the step it was in (a question is answered between steps)."""
+    await engine.query(lambda: None)
+    return engine.stats
+
+
+def make_engine(
+    loaded: LoadedModel,
+    store: SessionStore | None = None,
+    tiers: TierStore | None = None,
+    **config,
+) -> Engine:
+    """A started engine over its own store and tiers (memory only unless given)."""
+    tiers = tiers or TierStore(0, 0, None)
+    store = store or SessionStore(ttl_s=3600, forgetters=(tiers,))
+    config.setdefault("budget_bytes", 4 << 20)
+    engine = Engine(loaded, store, tiers, EngineConfig(**config))
+    engine.start()
+    return engine
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float = 30, what: str = "the condition") -> None:
+    """Poll until `condition()` is true; fail with a message after `timeout_s` (never hang a test)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
+        time.sleep(0.005)
+
+
+async def wait_until_async(condition: Callable[[], object], timeout_s: float = 30, what: str = "the condition") -> None:
+    """The asyncio form of wait_until: yields to the loop between polls."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
+        await asyncio.sleep(0.005)
 
 
 def reference_greedy(model, prompt_ids: list[int], num_new: int) -> list[int]:
@@ -65,3 +123,13 @@ def reference_greedy(model, prompt_ids: list[int], num_new: int) -> list[int]:
         top2 = torch.topk(scores[0].double(), 2).values
         assert float(top2[0] - top2[1]) > 1e-6, "seed gives a near-tie: pick another"
     return out.sequences[0, len(prompt_ids) :].tolist()
+
+
+def ask(engine: Engine, fn: Callable[[], T]) -> T:
+    """From a test thread without an event loop: `fn()` answered on the engine thread, between steps."""
+    return asyncio.run(engine.query(fn))
+
+
+def pool_tokens(engine: Engine, token_ids: list[int], tenant: str = "default") -> int:
+    """How many of these tokens' K/V the engine's pool holds (by prefix, for the tenant)."""
+    return ask(engine, lambda: engine.blocks.chain(tenant, token_ids)[1])

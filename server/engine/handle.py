@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import threading
 
-from server.engine.types import Event, Failed, Finished
+from server.engine.request import Event, Failed, Finished
 
 
 class RequestHandle:

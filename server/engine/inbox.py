@@ -1,77 +1,82 @@
-"""Requests handed from the event loop to an engine thread, and turned into sequences there."""
+"""What other threads hand an engine thread: requests, questions about its state, and wake-ups."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
 import queue
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from server.engine.handle import RequestHandle
-from server.engine.kv_store import KVStore
-from server.engine.types import EngineStopped, Failed, GenerationRequest
+from server.engine.request import GenerationRequest
+from server.sessions.record import Session
 
-log = logging.getLogger("kvserve.engine")
-IDLE_TICK_S = 1.0  # how often an idle engine wakes to expire sessions
-SHUTTING_DOWN = Failed("shutting_down", "the server is shutting down")
-SLOW_READER = Failed("slow_reader", "the client read the stream too slowly; too many events were left unread")
+IDLE_TICK_S = 1.0  # how often an idle engine wakes (to expire sessions, drop forgotten K/V)
+
+
+@dataclass(slots=True, frozen=True)
+class Submission:
+    request: GenerationRequest
+    session: Session | None  # locked on the event loop before the request was queued
+    handle: RequestHandle
+
+
+@dataclass(slots=True, frozen=True)
+class Query:
+    """A question about the engine's state, answered on its thread (between steps) into an asyncio future."""
+
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+
+    def answer(self) -> None:
+        try:
+            value, error = self.fn(), None
+        except Exception as exc:
+            value, error = None, exc
+        loop = self.future.get_loop()
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting any more
+            loop.call_soon_threadsafe(_settle, self.future, value, error)
+
+
+def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+WAKE = object()  # a snapshot finished loading
+CLOSE = object()
 
 
 class Inbox:
-    def __init__(self, store: KVStore) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._store = store
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.is_closed = False
 
-    def submit(self, request: GenerationRequest, model_id: str) -> RequestHandle:
-        """On the event loop: lock the request's session (SessionBusy / SessionModelMismatch raise at once)."""
-        if self.is_closed:
-            raise EngineStopped("the server is shutting down")
-        entry = self._store.acquire(request.session, model_id) if request.session else None
-        handle = RequestHandle(request.request_id, asyncio.get_running_loop(), request.max_unread_events)
-        self._queue.put((request, entry, handle))
-        return handle
+    def put(self, item: Submission | Query | object) -> None:
+        self._queue.put(item)
 
     def close(self) -> None:
         self.is_closed = True
-        self._queue.put(None)  # wakes the engine thread
+        self._queue.put(CLOSE)  # wakes the engine thread
 
     def qsize(self) -> int:
         return self._queue.qsize()
 
-    def take(self, block: bool, make: Callable) -> list:
-        """Everything waiting, built with `make(request, entry, handle)`; blocks (with a tick) when asked."""
+    def take(self, block: bool) -> list[Any]:
+        """Everything waiting (wake-ups and the close marker left out); blocks up to a tick when asked."""
+        items = []
         try:
             item = self._queue.get(timeout=IDLE_TICK_S) if block else self._queue.get_nowait()
+            while True:
+                if item is not WAKE and item is not CLOSE:
+                    items.append(item)
+                item = self._queue.get_nowait()
         except queue.Empty:
-            if block:
-                self._store.expire()
-            return []
-        built = []
-        while item is not None:
-            try:
-                built.append(make(*item))
-            except Exception:
-                log.exception("request %s could not start", item[0].request_id)
-                self._reject(item, Failed("internal_error", "the request could not start"))
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-        return built
-
-    def reject_all(self) -> None:
-        """At shutdown: answer the requests that arrived but were never looked at."""
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                self._reject(item, SHUTTING_DOWN)
-
-    def _reject(self, item: tuple, event: Failed) -> None:
-        _request, entry, handle = item
-        if entry is not None:
-            self._store.release(entry, keep_cache=True)
-        handle.push(event)
+            pass
+        return items

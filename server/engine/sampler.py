@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from server.engine.types import SamplingParams, TokenLogprob
+from server.engine.request import SamplingParams, TokenLogprob
 
 
 class Sampler:

@@ -15,7 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import wait_until
+
 CHAT = "/v1/chat/completions"
+# The drained stream: long enough to outlast the first refused request by far (milliseconds after the signal),
+# short enough to end well inside the grace period even on a loaded 2-core machine (~1 ms per token alone).
+STREAM_TOKENS = 1000
+GRACE_S = 120
 
 
 SPAWNED: list[subprocess.Popen] = []
@@ -39,7 +45,7 @@ class Server:
             self.port = s.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         args = ["serve", "--model", str(model_dir), "--port", str(self.port), "--state-dir", str(state_dir)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVSERVE_SHUTDOWN_GRACE_S": "60"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVSERVE_SHUTDOWN_GRACE_S": str(GRACE_S)}
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "server", *args], stdout=self.log, stderr=self.log, env=env)
         SPAWNED.append(self.proc)
@@ -88,7 +94,7 @@ def model_dir(tiny_spec, tmp_path) -> Path:
 
 def stream_in_thread(base: str, out: list) -> threading.Thread:
     def read() -> None:
-        body = {"model": "model", "messages": [{"role": "user", "content": "Tell"}], "max_tokens": 1500}
+        body = {"model": "model", "messages": [{"role": "user", "content": "Tell"}], "max_tokens": STREAM_TOKENS}
         body |= {"stream": True, "ignore_eos": True, "temperature": 0}
         with httpx.stream("POST", base + CHAT, json=body, timeout=120) as r:
             out.extend(r.iter_lines())
@@ -107,8 +113,7 @@ def test_sigterm_drains_then_sessions_come_back_with_their_kv(model_dir, tmp_pat
     before = {sid: session(server.base, sid) for sid in sids}
     lines: list[str] = []
     reader = stream_in_thread(server.base, lines)
-    while not lines:
-        time.sleep(0.01)
+    wait_until(lambda: lines, 60, "the stream to start")
     server.proc.send_signal(signal.SIGTERM)
     refused = None
     for _ in range(200):  # the drain starts at once; new requests are refused while the stream goes on
@@ -118,10 +123,11 @@ def test_sigterm_drains_then_sessions_come_back_with_their_kv(model_dir, tmp_pat
         time.sleep(0.02)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     assert httpx.get(server.base + "/ready").status_code == 503
-    reader.join(120)
+    reader.join(GRACE_S)
+    assert not reader.is_alive(), "the drained stream did not end within the grace period"
     events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]  # the stream finished whole
-    assert server.proc.wait(60) == 0
+    assert server.proc.wait(GRACE_S + 60) == 0
     server.log.close()
     snapshots = {p.name for p in (state / "kv").rglob("*.safetensors")}
     assert snapshots >= {f"session-{sid}.safetensors" for sid in sids}

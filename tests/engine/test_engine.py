@@ -1,23 +1,21 @@
-"""Greedy exactness against HF generate, continuation exactness, and the forward-token counter."""
+"""The engine on one sequence at a time: exactness against HF generate, continuation, the forward-token
+counter, limits (timeout, cancel, stop strings and ids), logprobs, seeds, and failures that stay local."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-import torch
 
-from server.engine.kv_store import KVStore
 from server.engine.sampler import Sampler
-from server.engine.types import GenerationRequest, SamplingParams, SessionKey
-from server.engine.worker import Engine
-from tests.helpers import reference_greedy, run
+from server.engine.sequence import Sequence
+from server.sessions.record import SessionKey
+from tests.helpers import collect, make_engine, reference_greedy, request, run, settled, wait_until_async
 
 
 @pytest.fixture()
-async def engine(tiny):
-    eng = Engine(tiny, KVStore(budget_bytes=1 << 30, ttl_s=3600))
-    eng.start()
+def engine(tiny):
+    eng = make_engine(tiny, block_size=4)
     yield eng
     eng.stop()
 
@@ -35,7 +33,7 @@ async def test_greedy_equals_hf_generate(engine, tiny):
 
 
 async def test_continued_turns_equal_fresh_runs(engine, tiny):
-    """Each turn continues from the session cache and yields the ids of a fresh run over the same prompt."""
+    """Each turn continues from the session's K/V and yields the ids of a fresh run over the same prompt."""
     prompt = ids(tiny, "Sessions keep their cache")
     num_extra = 0
     for turn, extra in enumerate([" between turns.", " Hello world,", " Paris is"]):
@@ -48,6 +46,7 @@ async def test_continued_turns_equal_fresh_runs(engine, tiny):
             assert result.usage.cached_tokens == len(prompt) - num_extra - 1
         prompt = prompt + result.token_ids + ids(tiny, extra)
         num_extra = len(ids(tiny, extra))
+    assert engine.store.info(SessionKey("default", "s")).num_turns == 3
 
 
 async def test_edited_history_reuses_the_common_prefix(engine, tiny):
@@ -57,7 +56,7 @@ async def test_edited_history_reuses_the_common_prefix(engine, tiny):
     before = engine.counter.num_prefill_tokens
     result = await run(engine, edited, session="e", max_tokens=5, ignore_eos=True)
     assert first.usage.cached_tokens == 0
-    assert result.usage.cached_tokens == 5
+    assert result.usage.cached_tokens == 5  # mid-block: the matching slots were copied
     assert engine.counter.num_prefill_tokens - before == len(edited) - 5
     assert result.token_ids == reference_greedy(tiny.model, edited, 5)
 
@@ -66,40 +65,41 @@ async def test_identical_retry_recomputes_one_token(engine, tiny):
     prompt = ids(tiny, "Hello world, hello kvserve.")
     await run(engine, prompt, session="r", max_tokens=3, ignore_eos=True)
     first = await run(engine, prompt, session="r", max_tokens=3, ignore_eos=True)
+    before = engine.counter.num_prefill_tokens
     again = await run(engine, prompt, session="r", max_tokens=3, ignore_eos=True)
+    assert engine.counter.num_prefill_tokens - before == 1
     assert first.usage.cached_tokens == again.usage.cached_tokens == len(prompt) - 1
     assert first.token_ids == again.token_ids == reference_greedy(tiny.model, prompt, 3)
 
 
-async def test_stateless_requests_never_reuse(engine, tiny):
+async def test_stateless_requests_keep_no_session(engine, tiny):
     prompt = ids(tiny, "Numbers and symbols")
-    for _ in range(2):
-        result = await run(engine, prompt, max_tokens=2)
-        assert result.usage.cached_tokens == 0
-    assert engine.store.stats().num_entries == 0
+    first = await run(engine, prompt, max_tokens=2)
+    second = await run(engine, prompt, max_tokens=2)
+    assert first.usage.cached_tokens == 0 and second.usage.cached_tokens == len(prompt) - 1  # the tenant's prefix
+    assert engine.store.stats().num_sessions == 0
 
 
 async def test_timeout_ends_request_and_keeps_the_transcript(engine, tiny):
     prompt = ids(tiny, "The quick brown fox")
     await run(engine, prompt, session="t", max_tokens=2, ignore_eos=True)
-    req = GenerationRequest("slow", prompt, SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True))
-    req.session, req.timeout_s = SessionKey("default", "t"), 0.05
-    events = [e async for e in engine.submit(req)]
-    assert events[-1].code == "request_timeout"
+    slow = request(prompt, "t", "slow", max_tokens=3000, ignore_eos=True, timeout_s=0.05)
+    result = await collect(engine.submit(slow))
+    assert result.error.code == "request_timeout"
     info = engine.store.info(SessionKey("default", "t"))
-    assert info.num_turns == 1 and info.num_transcript_tokens == len(prompt) + 2
+    assert info.num_turns == 1 and info.num_transcript_tokens == len(prompt) + 2 and not info.is_in_use
 
 
 async def test_cancel_stops_within_one_step(engine, tiny):
-    req = GenerationRequest("c", ids(tiny, "Hello"), SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True))
-    handle = engine.submit(req)
-    await handle.__anext__()
+    handle = engine.submit(request(ids(tiny, "Hello"), rid="c", max_tokens=3000, ignore_eos=True))
+    await handle.__anext__()  # admitted
     handle.cancel()
-    await asyncio.sleep(0.2)
-    settled = engine.counter.num_decode_tokens
-    await asyncio.sleep(0.2)
-    assert engine.counter.num_decode_tokens == settled < 3000
-    assert engine.num_active == 0
+    await wait_until_async(lambda: engine.num_active == 0, what="the cancelled request to leave")
+    assert (await settled(engine)).num_blocks_used == 0
+    num_decoded = engine.counter.num_decode_tokens
+    assert num_decoded < 3000
+    await settled(engine)  # another step's chance: nothing more was decoded
+    assert engine.counter.num_decode_tokens == num_decoded
 
 
 async def test_concurrent_seeded_requests_do_not_disturb_each_other(engine, tiny):
@@ -107,11 +107,13 @@ async def test_concurrent_seeded_requests_do_not_disturb_each_other(engine, tiny
     params = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
     alone_a = await run(engine, prompt, seed=1, **params)
     alone_b = await run(engine, prompt, seed=2, **params)
+    engine.max_batch_seen = 0
     both = await asyncio.gather(
         run(engine, prompt, seed=1, rid="a", **params), run(engine, prompt, seed=2, rid="b", **params)
     )
     assert [both[0].token_ids, both[1].token_ids] == [alone_a.token_ids, alone_b.token_ids]
     assert alone_a.token_ids != alone_b.token_ids
+    assert engine.max_batch_seen == 2  # they really shared forward passes
 
 
 async def test_stop_string_across_tokens_is_not_emitted(engine, tiny):
@@ -135,7 +137,8 @@ async def test_stop_token_ids_and_logprobs(engine, tiny):
 
 async def test_prefill_projects_only_the_last_position(engine, tiny):
     seen = []
-    hook = tiny.model.get_output_embeddings().register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape))
+    head = tiny.model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape))
     try:
         await run(engine, ids(tiny, "The quick brown fox jumps over the lazy dog."), max_tokens=2, ignore_eos=True)
     finally:
@@ -159,20 +162,19 @@ async def test_a_failing_request_fails_alone(engine, tiny, monkeypatch):
     )
     assert bad.error.code == "internal_error" and good.usage.completion_tokens == 5
     info = engine.store.info(SessionKey("default", "f"))
-    assert info.num_turns == 0 and info.num_cached_tokens == 0 and not info.is_in_use
+    assert info.num_turns == 0 and info.num_transcript_tokens == 0 and not info.is_in_use
     assert (await run(engine, prompt, session="f", max_tokens=2)).usage is not None  # the engine keeps serving
 
 
 async def test_a_failure_while_finishing_does_not_stop_the_engine(engine, tiny, monkeypatch):
-    import server.engine.kv_store as kv_store_module
+    def broken(self, finish_reason):
+        raise RuntimeError("injected")
 
-    def broken(cache):
-        raise torch.OutOfMemoryError("injected")
-
-    monkeypatch.setattr(kv_store_module, "shrink_cache", broken)
+    monkeypatch.setattr(Sequence, "completed_turn", broken)
     prompt = ids(tiny, "Hello world")
-    first = await run(engine, prompt, session="oom", max_tokens=3, ignore_eos=True)
-    assert first.usage.completion_tokens == 3  # the turn completed; its cache was dropped, not the engine
-    info = engine.store.info(SessionKey("default", "oom"))
-    assert info.num_turns == 1 and info.num_cached_tokens == 0 and not info.is_in_use
-    assert (await run(engine, prompt, session="oom", max_tokens=2)).usage is not None
+    first = await run(engine, prompt, session="fin", max_tokens=3, ignore_eos=True)
+    assert first.error.code == "internal_error"  # the turn could not be recorded: the client hears so
+    info = engine.store.info(SessionKey("default", "fin"))
+    assert info.num_turns == 0 and not info.is_in_use and (await settled(engine)).num_blocks_used == 0
+    monkeypatch.undo()
+    assert (await run(engine, prompt, session="fin", max_tokens=2)).usage is not None

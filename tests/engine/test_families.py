@@ -1,11 +1,17 @@
-"""The paged engine on several full-attention decoder families: greedy ids equal HF generate."""
+"""The one engine on several decoder families: greedy ids equal HF generate, across a continued session turn
+and in a batch. Sliding windows smaller than the prompt (Mistral, Qwen2's upper layers, Gemma-2's alternate
+layers) and Gemma-2's logit soft-capping are honoured by the paged attention itself."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BloomConfig,
+    Gemma2Config,
     GemmaConfig,
     LlamaConfig,
     MistralConfig,
@@ -13,43 +19,85 @@ from transformers import (
     Qwen3Config,
 )
 
-from server.engine.batch_engine import BatchEngine, PoolConfig
-from server.engine.kv_store import KVStore
-from server.engine.paged_attention import unpageable_reason
-from server.engine.registry import ModelSpec, load_model
-from tests.helpers import reference_greedy, run
+from server.models.loader import ModelLoadError, ModelSpec, load_model
+from tests.helpers import make_engine, reference_greedy, run
 from tests.tiny import build_tokenizer
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+SOFTCAP = 1.0  # small, so the cap really bites (Gemma-2 itself uses 50)
+WINDOW = 6  # far shorter than the prompts below (~20 tokens, ~40 on the second turn)
 FAMILIES = {
-    "llama": LlamaConfig(**SHAPE),
-    "qwen2": Qwen2Config(**SHAPE),
-    "qwen3": Qwen3Config(**SHAPE, head_dim=16),
-    "mistral": MistralConfig(**SHAPE, sliding_window=None),
-    "gemma": GemmaConfig(**SHAPE, head_dim=16),
+    "llama": lambda: LlamaConfig(**SHAPE),
+    "qwen3": lambda: Qwen3Config(**SHAPE, head_dim=16),
+    "gemma": lambda: GemmaConfig(**SHAPE, head_dim=16),
+    "mistral-window": lambda: MistralConfig(**SHAPE, sliding_window=WINDOW),
+    # layer 0 full attention, layer 1 a sliding window
+    "qwen2-window": lambda: Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    # alternating sliding/global layers, attention logits soft-capped
+    "gemma2-softcap": lambda: Gemma2Config(
+        **SHAPE | {"num_hidden_layers": 4},
+        head_dim=16,
+        sliding_window=WINDOW,
+        attn_logit_softcapping=SOFTCAP,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=16,
+    ),
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-async def test_paged_engine_matches_generate(family, tmp_path):
-    tokenizer = build_tokenizer()
-    config = FAMILIES[family]
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def save_family(family: str, tokenizer, directory) -> ModelSpec:
+    config = FAMILIES[family]()
     config.vocab_size, config.initializer_range = len(tokenizer), 0.2
     config.max_position_embeddings = 512
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    loaded = load_model(ModelSpec(id=family, source=str(tmp_path), dtype="float64", device="cpu"), tmp_path)
-    assert unpageable_reason(loaded.model, loaded.max_context) is None
-    engine = BatchEngine(loaded, KVStore(1 << 30, 3600), PoolConfig(budget_bytes=1 << 22, block_size=4))
-    engine.start()
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return ModelSpec(id=family, source=str(directory), dtype="float64", device="cpu")
+
+
+def hf_reference(directory):
+    """An independent reference: the same weights through transformers' own eager attention, no kvserve code."""
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_paged_engine_matches_generate(family, tokenizer, tmp_path):
+    spec = save_family(family, tokenizer, tmp_path)
+    loaded = load_model(spec, tmp_path)
+    reference = hf_reference(tmp_path)
+    engine = make_engine(loaded, budget_bytes=1 << 22, block_size=4)
     try:
         prompt = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
+        assert len(prompt) > 2 * WINDOW
         first = await run(engine, prompt, session="s", max_tokens=10, ignore_eos=True)
-        assert first.token_ids == reference_greedy(loaded.model, prompt, 10)
+        assert first.token_ids == reference_greedy(reference, prompt, 10)
         follow = prompt + first.token_ids + tokenizer(" Paris is")["input_ids"]
         second = await run(engine, follow, session="s", max_tokens=6, ignore_eos=True)
-        assert second.usage.cached_tokens >= len(prompt)
-        assert second.token_ids == reference_greedy(loaded.model, follow, 6)
+        assert second.usage.cached_tokens == len(prompt) + 10 - 1  # continued from the session's K/V
+        assert second.token_ids == reference_greedy(reference, follow, 6)
+        others = [tokenizer(text)["input_ids"] for text in ("Paris is the capital", "Hello world, hello kvserve.")]
+        engine.max_batch_seen = 0
+        batched = await asyncio.gather(
+            *(run(engine, ids, rid=f"b{i}", max_tokens=8, ignore_eos=True) for i, ids in enumerate([follow, *others]))
+        )
+        assert engine.max_batch_seen >= 2
+        for ids, result in zip([follow, *others], batched, strict=True):
+            assert result.token_ids == reference_greedy(reference, ids, 8)
     finally:
         engine.stop()
+
+
+def test_a_model_without_the_attention_interface_is_refused_at_load(tokenizer, tmp_path):
+    config = BloomConfig(vocab_size=len(tokenizer), hidden_size=64, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError) as info:
+        load_model(ModelSpec(id="old-bloom", source=str(tmp_path), dtype="float32", device="cpu"), tmp_path)
+    message = str(info.value)
+    assert "old-bloom" in message and "does not route attention through transformers' attention interface" in message

@@ -1,37 +1,46 @@
-"""Sampling transforms on hand-made logits."""
+"""Sampling transforms on hand-made logits, placed at shuffled token ids so index-mapping bugs show."""
 
 from __future__ import annotations
 
 import torch
 
+from server.engine.request import SamplingParams
 from server.engine.sampler import Sampler
-from server.engine.types import SamplingParams
 
-LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, -1.0, -3.0])
-
-
-def sampler(**kw) -> Sampler:
-    return Sampler(SamplingParams(**kw), prompt_ids=[], vocab_size=6, device="cpu")
+VALUES = [2.0, 1.5, 1.0, 0.5, -1.0, -3.0]  # by rank: VALUES[r] is the r-th best logit
+RANK_TO_ID = [4, 0, 5, 2, 1, 3]  # the token id holding each rank: not sorted, not reversed
+LOGITS = torch.empty(6)
+LOGITS[RANK_TO_ID] = torch.tensor(VALUES)
 
 
-def draws(s: Sampler, n: int = 200) -> set[int]:
-    return {s.sample(LOGITS)[0] for _ in range(n)}
+def ranked(*ranks: int) -> set[int]:
+    return {RANK_TO_ID[r] for r in ranks}
+
+
+def sampler(prompt_ids: list[int] | None = None, **kw) -> Sampler:
+    return Sampler(SamplingParams(**kw), prompt_ids=prompt_ids or [], vocab_size=6, device="cpu")
+
+
+def draws(s: Sampler, logits: torch.Tensor = LOGITS, n: int = 300) -> set[int]:
+    return {s.sample(logits)[0] for _ in range(n)}
 
 
 def test_greedy_and_logit_bias():
-    assert sampler(temperature=0).sample(LOGITS)[0] == 0
-    assert sampler(temperature=0, logit_bias={3: 100.0}).sample(LOGITS)[0] == 3
+    assert sampler(temperature=0).sample(LOGITS)[0] == RANK_TO_ID[0]
+    assert sampler(temperature=0, logit_bias={RANK_TO_ID[3]: 100.0}).sample(LOGITS)[0] == RANK_TO_ID[3]
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
-    assert draws(sampler(temperature=1.0, top_k=2, seed=0)) == {0, 1}
-    assert draws(sampler(temperature=1.0, top_p=0.01, seed=0)) == {0}
+    assert draws(sampler(temperature=1.0, top_k=2, seed=0)) == ranked(0, 1)
+    assert draws(sampler(temperature=1.0, top_p=0.01, seed=0)) == ranked(0)
+    # softmax of VALUES: 0.44, 0.27, 0.16, 0.10, 0.02, 0.003. top_p 0.8: the mass before rank 2 is 0.71 < 0.8,
+    # before rank 3 it is 0.87 >= 0.8, so ranks 0-2 stay.
+    assert draws(sampler(temperature=1.0, top_p=0.8, seed=0)) == ranked(0, 1, 2)
     # min_p 0.5: keep tokens with p >= 0.5 * p(best): exp(-0.5)=0.61 and exp(-1)=0.37
-    assert draws(sampler(temperature=1.0, min_p=0.5, seed=0)) == {0, 1}
+    assert draws(sampler(temperature=1.0, min_p=0.5, seed=0)) == ranked(0, 1)
 
 
 def test_seed_reproducible_and_independent():
-    a = [sampler(temperature=1.0, seed=7).sample(LOGITS)[0] for _ in range(1)]
     s1, s2 = sampler(temperature=1.0, seed=7), sampler(temperature=1.0, seed=7)
     seq1 = [s1.sample(LOGITS)[0] for _ in range(30)]
     interleaved = []
@@ -39,22 +48,35 @@ def test_seed_reproducible_and_independent():
     for _ in range(30):
         other.sample(LOGITS)  # another request's draws must not move this one's generator
         interleaved.append(s2.sample(LOGITS)[0])
-    assert seq1 == interleaved and seq1[0] == a[0]
+    assert seq1 == interleaved
+    assert len(set(seq1)) > 1  # really sampling
 
 
-def test_penalties():
-    s = sampler(temperature=0, frequency_penalty=2.0)
-    s.observe(0)
-    assert s.sample(LOGITS)[0] == 1  # 2.0 - 2.0 < 1.5
-    s = sampler(temperature=0, presence_penalty=0.6)
-    s.observe(0)
-    assert s.sample(LOGITS)[0] == 1  # 2.0 - 0.6 < 1.5
-    s = Sampler(SamplingParams(temperature=0, repetition_penalty=2.0), [0], 6, "cpu")
-    assert s.sample(LOGITS)[0] == 1  # prompt token 0: 2.0 / 2 < 1.5
+def test_frequency_counts_every_occurrence_presence_only_the_first():
+    best, second = RANK_TO_ID[0], RANK_TO_ID[1]  # logits 2.0 and 1.5
+    s = sampler(temperature=0, frequency_penalty=0.3)
+    s.observe(best)
+    s.observe(best)
+    assert s.sample(LOGITS)[0] == second  # 2.0 - 2 x 0.3 = 1.4 < 1.5
+    s = sampler(temperature=0, presence_penalty=0.3)
+    s.observe(best)
+    s.observe(best)
+    assert s.sample(LOGITS)[0] == best  # 2.0 - 0.3 = 1.7 > 1.5: seen twice, penalised once
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    s = sampler([RANK_TO_ID[0]], temperature=0, repetition_penalty=2.0)
+    assert s.sample(LOGITS)[0] == RANK_TO_ID[1]  # prompt token: 2.0 / 2 = 1.0 < 1.5
+    logits = torch.full((6,), -5.0)
+    logits[3], logits[1] = -0.2, -0.3  # the best two are negative
+    s = sampler([3], temperature=0, repetition_penalty=2.0)
+    assert s.sample(logits)[0] == 1  # -0.2 x 2 = -0.4 < -0.3 (dividing would give -0.1 and keep token 3)
+    assert sampler([], temperature=0, repetition_penalty=2.0).sample(logits)[0] == 3  # unseen: untouched
 
 
 def test_logprobs_are_of_the_raw_distribution():
-    token, lp = sampler(temperature=0, num_logprobs=2).sample(LOGITS)
+    token, lp = sampler(temperature=0, num_logprobs=2, repetition_penalty=1.5).sample(LOGITS)
     expected = torch.log_softmax(LOGITS, -1)
-    assert token == 0 and abs(lp.logprob - float(expected[0])) < 1e-6
-    assert [t for t, _ in lp.top] == [0, 1]
+    assert token == RANK_TO_ID[0] and abs(lp.logprob - float(expected[token])) < 1e-6
+    assert [t for t, _ in lp.top] == [RANK_TO_ID[0], RANK_TO_ID[1]]
+    assert abs(lp.top[1][1] - float(expected[RANK_TO_ID[1]])) < 1e-6

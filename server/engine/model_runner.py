@@ -1,0 +1,95 @@
+"""The model runner: the model, its K/V pool, and one packed forward pass per step.
+
+The rows of a step are laid out as one packed row ([1, T]): input ids, positions, the pool
+slot each new token's K/V goes to, and per sequence where its queries sit in the row and
+where its context sits in the pool. transformers hands that metadata (a forward kwarg) to the
+paged attention function of every layer (server/kv/attention.py); logits are computed for the
+sampled positions only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.scheduler import Row
+from server.kv.attention import STEP_KWARG, SeqSpan, StepMeta, install
+from server.kv.pool import KVLayout, KVPool
+from server.models.loader import LoadedModel
+
+
+@dataclass(slots=True)
+class ForwardCounter:
+    """Tokens fed to the model, by phase: the proof behind `cached_tokens` in tests."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_forwards: int = 0
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, budget_bytes: int, block_size: int) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.layout = KVLayout.of(loaded.model.config, loaded.dtype)
+        num_blocks = max(1, budget_bytes // (self.layout.bytes_per_token * block_size))
+        self.pool = KVPool(self.layout, num_blocks, block_size, loaded.device)
+        self.fingerprint = self.layout.fingerprint(loaded.model)
+        self.counter = ForwardCounter()
+        install(loaded.model)
+
+    def run(self, rows: list[Row]) -> torch.Tensor:
+        """One forward pass over the rows; logits [R, V] for the rows that sample, in row order."""
+        meta, input_ids, position_ids, sampled_at = self._prepare(rows)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=sampled_at,
+                **{STEP_KWARG: meta},
+            )
+        self._count(rows)
+        return out.logits[0]
+
+    def _prepare(self, rows: list[Row]) -> tuple[StepMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The packed ids and positions, the slot mapping and one span per row (blocks are allocated)."""
+        bs, device = self.pool.block_size, self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[SeqSpan] = []
+        sampled_at: list[int] = []
+        for row in rows:
+            start = row.seq.num_computed
+            end = start + len(row.token_ids)
+            table = [b.block_id for b in row.seq.blocks]
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            spans.append(self._span(len(ids), len(row.token_ids), table, end))
+            ids += row.token_ids
+            positions += range(start, end)
+            if row.is_sampled:
+                sampled_at.append(len(ids) - 1)
+        meta = StepMeta(self.pool, torch.tensor(slots, dtype=torch.long, device=device), spans)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
+        position_ids = torch.tensor([positions], dtype=torch.long, device=device)  # [1, T]
+        return meta, input_ids, position_ids, torch.tensor(sampled_at, dtype=torch.long, device=device)
+
+    def _span(self, q_start: int, q_len: int, table: list[int], ctx_len: int) -> SeqSpan:
+        bs = self.pool.block_size
+        num_blocks = -(-ctx_len // bs)
+        first = table[0]
+        ctx_slots = None
+        if table[:num_blocks] != list(range(first, first + num_blocks)):  # not one run: attention gathers
+            slot_ids = [table[p // bs] * bs + p % bs for p in range(ctx_len)]
+            ctx_slots = torch.tensor(slot_ids, dtype=torch.long, device=self.device)
+        return SeqSpan(q_start, q_len, ctx_len, ctx_slots, first * bs, self.device)
+
+    def _count(self, rows: list[Row]) -> None:
+        for row in rows:
+            if row.seq.is_prefilled:
+                self.counter.num_decode_tokens += len(row.token_ids)
+            else:
+                self.counter.num_prefill_tokens += len(row.token_ids)
+        self.counter.num_forwards += 1

@@ -1,0 +1,212 @@
+"""The scheduler: who waits, who runs, what each admitted sequence reuses, and what one step computes.
+
+Admission is first come, first served, by block reservation: a sequence starts only when the
+blocks for its prompt and max_tokens (less the shared ones it reuses) can be promised, so a
+running stream is never preempted. At admission it decides, once, where the prompt's K/V
+comes from: blocks already in the pool (shared whole, or a partial block copied), a host or
+disk snapshot (read first, off the engine thread: the sequence is LOADING meanwhile), or
+nothing (computed). A step is one decode token for every prefilled sequence, then prefill
+chunks of the others up to the token budget, so a long prompt never stalls running streams.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from server.engine.sequence import Sequence, SequenceStatus
+from server.kv.blocks import Block, BlockManager
+from server.kv.offload import Offloader
+from server.kv.snapshot import Snapshot
+from server.sessions.record import SessionKey, common_prefix_len
+
+SOLO_PREFILL_FACTOR = 4  # with no stream to keep flowing, a prefill chunk may be this much larger
+MIN_PREFILL_CHUNK = 16  # however many streams decode, admitted prompts keep moving
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    block_size: int = 16
+    max_batch_tokens: int = 256
+    is_prefix_caching: bool = True
+
+
+@dataclass(slots=True, frozen=True)
+class Admission:
+    """How one sequence starts; the engine carries it out (the tensor work) and tells the client."""
+
+    seq: Sequence
+    load: SessionKey | None = None  # read this session's snapshot first (the sequence is LOADING)
+    shared: tuple[Block, ...] = ()  # full blocks reused as they are (pinned)
+    partial: Block | None = None  # a cached block whose first `num_partial` slots are copied
+    num_partial: int = 0
+    restore: Snapshot | None = None  # write its tokens past `shared` up to `num_restore`
+    num_restore: int = 0
+
+    @property
+    def num_cached(self) -> int:
+        if self.restore is not None:
+            return self.num_restore
+        return sum(len(b.token_ids) for b in self.shared) + self.num_partial
+
+    @property
+    def source(self) -> str:
+        if self.restore is not None:
+            return self.restore.origin
+        return "device" if self.num_cached else "none"
+
+
+@dataclass(slots=True, frozen=True)
+class Row:
+    """One sequence's part of a step's packed row."""
+
+    seq: Sequence
+    token_ids: list[int]
+    is_sampled: bool  # the row's last position yields the next token
+
+
+class Scheduler:
+    def __init__(self, manager: BlockManager, config: SchedulerConfig, offloader: Offloader) -> None:
+        self.manager, self.config, self.offloader = manager, config, offloader
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.loading)
+
+    def add(self, seq: Sequence) -> None:
+        seq.use_cache = seq.use_cache and self.config.is_prefix_caching
+        self.waiting.append(seq)
+
+    def sequences(self) -> list[Sequence]:
+        return [*self.running, *self.waiting, *self.loading]
+
+    # -- admission ------------------------------------------------------------------------
+    def admit(self) -> list[Admission]:
+        """Admit from the head of the queue while blocks can be reserved; loads leave the queue meanwhile."""
+        for seq in [s for s in self.loading if s.loading is not None and s.loading.done()]:
+            self.loading.remove(seq)
+            seq.snapshot, seq.loading, seq.status = _result(seq), None, SequenceStatus.WAITING
+            self.waiting.appendleft(seq)  # it arrived first: it stays ahead of those queued behind it
+        admitted = []
+        while self.waiting:
+            admission = self._plan(self.waiting[0])
+            if admission is None:
+                break
+            seq = self.waiting.popleft()
+            if admission.load is not None:
+                seq.status, seq.has_looked_down = SequenceStatus.LOADING, True
+                self.loading.append(seq)
+            else:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            admitted.append(admission)
+        return admitted
+
+    def _plan(self, seq: Sequence) -> Admission | None:
+        """The sequence's admission, or None when its blocks cannot be reserved yet."""
+        prompt, bs = seq.request.prompt_ids, self.config.block_size
+        match = self.manager.match(seq.salt, prompt, len(prompt) - 1) if seq.use_cache else None
+        num_in_pool = match.num_tokens if match else 0
+        source = seq.request.kv_source
+        if source is not None and seq.use_cache and not seq.has_looked_down and self._holds_more(source, num_in_pool):
+            return Admission(seq, load=source)  # reserves nothing until the snapshot is read
+        shared = list(match.shared) if match else []
+        num_restore = self._restorable(seq, num_in_pool)
+        if num_restore:
+            shared = shared[: num_restore // bs]
+        need = -(-seq.max_len // bs) - len(shared)
+        self.offloader.spill(need)
+        if not self.manager.can_reserve(need, shared):
+            return None
+        self.manager.reserve(need)
+        self.manager.pin(shared)
+        seq.blocks, seq.num_reserved = list(shared), need
+        if num_restore:
+            assert seq.snapshot is not None
+            return Admission(seq, shared=tuple(shared), restore=seq.snapshot, num_restore=num_restore)
+        if match is not None and match.partial is not None:
+            return Admission(seq, shared=tuple(shared), partial=match.partial, num_partial=match.num_partial)
+        return Admission(seq, shared=tuple(shared))
+
+    def _holds_more(self, source: SessionKey, num_in_pool: int) -> bool:
+        """A host or disk snapshot of `source` has more tokens than the pool matched (read it to see if they fit)."""
+        return self.offloader.tiers.peek_tokens(source) > num_in_pool
+
+    def _restorable(self, seq: Sequence, num_in_pool: int) -> int:
+        """Prompt tokens the sequence's snapshot holds beyond what the pool does (0: use the pool)."""
+        snapshot = seq.snapshot
+        if snapshot is None or not seq.use_cache or snapshot.fingerprint != self.offloader.fingerprint:
+            return 0
+        prompt = seq.request.prompt_ids
+        num_tokens = min(common_prefix_len(snapshot.token_ids, prompt), len(prompt) - 1)
+        return num_tokens if num_tokens > num_in_pool else 0
+
+    # -- steps ------------------------------------------------------------------------------
+    def schedule(self) -> list[Row]:
+        """This step's rows: decode tokens first, then prefill chunks in arrival order; slots allocated."""
+        budget = self.config.max_batch_tokens
+        rows = [Row(s, s.next_input(1), True) for s in self.running if s.is_prefilled]
+        # The per-step budget keeps running streams flowing during a long prefill. With none running it
+        # would only add forward passes (each re-reads every weight): measured ~25% slower long prompts.
+        budget = max(budget - len(rows), MIN_PREFILL_CHUNK) if rows else budget * SOLO_PREFILL_FACTOR
+        for seq in self.running:
+            if seq.is_prefilled or budget <= 0:
+                continue
+            chunk = seq.next_input(budget)
+            is_last = seq.num_computed + len(chunk) == seq.num_prompt
+            rows.append(Row(seq, chunk, is_last and not seq.request.is_prefill_only))
+            budget -= len(chunk)
+        for row in rows:
+            self.allocate(row.seq, row.seq.num_computed + len(row.token_ids))
+        return rows
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Blocks (from the reservation) until the sequence's blocks hold `num_tokens` slots."""
+        while len(seq.blocks) * self.config.block_size < num_tokens:
+            prefer = seq.blocks[-1].block_id + 1 if seq.blocks else None
+            seq.blocks.append(self.manager.allocate(prefer))
+            seq.num_reserved -= 1
+
+    def commit(self, rows: list[Row]) -> None:
+        """After a forward pass: the rows' K/V are in place; publish the blocks they filled."""
+        bs = self.config.block_size
+        for row in rows:
+            seq = row.seq
+            first_block = seq.num_computed // bs
+            seq.num_computed += len(row.token_ids)
+            if seq.use_cache:
+                self.publish(seq, first_block)
+
+    def publish(self, seq: Sequence, first_block: int) -> None:
+        """Record the blocks from `first_block` on under their prefix hashes (full ones shareable)."""
+        bs = self.config.block_size
+        for index in range(first_block, -(-seq.num_computed // bs)):
+            parent = seq.blocks[index - 1].hash if index else self.manager.root(seq.salt)
+            assert parent is not None  # every block before it is full
+            tokens = seq.token_ids[index * bs : min((index + 1) * bs, seq.num_computed)]
+            self.manager.record(seq.blocks[index], parent, tokens)
+
+    def remove(self, seq: Sequence) -> bool:
+        """Take a sequence out, giving back its blocks and reservation. False when it was not here."""
+        for queue in (self.running, self.waiting, self.loading):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        else:
+            return False
+        seq.status = SequenceStatus.FINISHED
+        self.manager.release(seq.blocks, keep_contents=seq.use_cache)
+        self.manager.unreserve(seq.num_reserved)
+        seq.blocks, seq.num_reserved = [], 0
+        return True
+
+
+def _result(seq: Sequence) -> Snapshot | None:
+    assert seq.loading is not None
+    try:
+        return seq.loading.result()
+    except Exception:  # an unreadable snapshot is a miss: the prompt is computed
+        return None

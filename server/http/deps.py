@@ -1,0 +1,32 @@
+"""Per-request dependencies: the serving layer and the caller's tenant."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from server.hosting import ModelHost
+from server.http.auth import DEFAULT_TENANT
+from server.serving.completions import Completions
+from server.serving.responses import Responses
+from server.serving.sessions import Sessions
+
+
+def completions(request: Request) -> Completions:
+    return request.app.state.completions
+
+
+def sessions(request: Request) -> Sessions:
+    return request.app.state.sessions
+
+
+def responses(request: Request) -> Responses:
+    return request.app.state.responses
+
+
+def host(request: Request) -> ModelHost:
+    return request.app.state.host
+
+
+def tenant(request: Request) -> str:
+    """Set by the gate from the API key (the one default tenant when no keys are configured)."""
+    return getattr(request.state, "tenant", DEFAULT_TENANT)

@@ -1,0 +1,68 @@
+"""Exception handlers: every failure leaves in the OpenAI envelope, FastAPI's validation errors included."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.openai.errors import ApiError, error_body
+
+log = logging.getLogger("kvserve.api")
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """The first problem pydantic found, as a 400 naming the field (never the 422 default, never the input)."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(400, "invalid_json", "the request body is not valid JSON")
+    if kind == "extra_forbidden":
+        return ApiError(400, "unsupported_parameter", f"unknown parameter '{param}'", param)
+    if kind == "unsupported_parameter":
+        name = (err.get("ctx") or {}).get("name") or param
+        return ApiError(400, "unsupported_parameter", str(err.get("msg")), name)
+    if kind == "missing":
+        if param is None:
+            return ApiError(400, "invalid_json", "the request body is missing")
+        return ApiError(400, "invalid_parameter", f"missing required parameter '{param}'", param)
+    where = f"'{param}': " if param else ""
+    return ApiError(400, "invalid_parameter", f"{where}{err.get('msg')}", param)
+
+
+def _is_type_tag(part) -> bool:
+    """Union members add their type to an error's loc ("str", "list[str]", "TextPart"): not a field name."""
+    text = str(part)
+    return (
+        text in {"str", "int", "float", "bool", "list", "dict"}
+        or "[" in text
+        or text[:1].isupper()
+        or text.startswith("constrained-")  # an Annotated member of a union
+    )
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own 400 is a body it could not decode (e.g. invalid UTF-8): as invalid as bad JSON.
+        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(error_body(exc.status_code, code, str(exc.detail)), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(500, "internal_error", "internal server error"), 500)

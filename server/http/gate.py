@@ -1,0 +1,126 @@
+"""The first thing every HTTP request meets (pure ASGI, so streaming passes through untouched).
+
+It names the request (X-Request-ID), finds its tenant from the API key (401 before the body
+is even read), enforces the body size limit (413), and writes one access-log line and the
+request counter when the response is done. Log lines carry ids, never request content.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+
+from server.http.auth import DEFAULT_TENANT, KeyRing
+from server.openai.errors import error_body
+
+log = logging.getLogger("kvserve.access")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+class Gate:
+    def __init__(self, app, keys: KeyRing, max_body_bytes: int, open_paths: set[str], on_response=None) -> None:
+        self.app, self.keys, self.max_body_bytes, self.open_paths = app, keys, max_body_bytes, open_paths
+        self.on_response = on_response  # (route, status, seconds) -> None: the metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given = headers.get("x-request-id", "")
+        request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        outcome = {"status": 500, "session": None}
+
+        async def send_tracked(message) -> None:
+            if message["type"] == "http.response.start":
+                outcome["status"] = message["status"]
+                for key, value in message.get("headers", []):
+                    if key.lower() == b"x-session-id":
+                        outcome["session"] = value.decode("latin-1")
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            tenant = self._tenant(scope["path"], headers)
+            if tenant is None:
+                await _error(
+                    send_tracked, 401, "invalid_api_key", _auth_message(headers), {"WWW-Authenticate": "Bearer"}
+                )
+                return
+            state["tenant"] = tenant
+            replay = await self._read_body(headers, receive, send_tracked)
+            if replay is not None:
+                await self.app(scope, replay, send_tracked)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            seconds = time.monotonic() - started
+            log.info(
+                "%s %s %d %.0fms tenant=%s request=%s session=%s",
+                scope["method"],
+                route,
+                outcome["status"],
+                seconds * 1000,
+                state.get("tenant", "-"),
+                request_id,
+                outcome["session"] or "-",
+            )
+            if self.on_response is not None:
+                self.on_response(route, outcome["status"], seconds)
+
+    def _tenant(self, path: str, headers: dict) -> str | None:
+        if not self.keys:
+            return DEFAULT_TENANT
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        tenant = self.keys.tenant_for(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+        if tenant is None and path in self.open_paths:
+            return DEFAULT_TENANT  # /health, /ready (and /metrics when configured so) need no key
+        return tenant
+
+    async def _read_body(self, headers: dict, receive, send):
+        """The whole body, checked against the limit, replayed to the app; None when already answered."""
+        limit = self.max_body_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await _error(send, 413, "request_too_large", f"the request body is larger than {limit} bytes")
+            return None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > limit:
+                await _error(send, 413, "request_too_large", f"the request body is larger than {limit} bytes")
+                return None
+        body, is_replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal is_replayed
+            if not is_replayed:
+                is_replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the client going away
+
+        return replay
+
+
+def _auth_message(headers: dict) -> str:
+    if not headers.get("authorization"):
+        return "this server needs an API key: send 'Authorization: Bearer <key>'"
+    return "invalid API key"
+
+
+async def _error(send, status: int, code: str, message: str, extra: dict | None = None) -> None:
+    body = json.dumps(error_body(status, code, message)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

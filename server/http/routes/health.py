@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from server.hosting import ModelHost
+from server.http import deps
+from server.openai.errors import error_body
+
+router = APIRouter()
+
+
+@router.get("/health", summary="Liveness: the process answers")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/ready", summary="Readiness: 200 when every model is loaded, else 503 saying why")
+async def ready(host: ModelHost = Depends(deps.host)) -> JSONResponse:
+    models = {mid: {"status": s.status, "detail": s.detail or None} for mid, s in host.states.items()}
+    if host.is_draining:
+        body = error_body(503, "shutting_down", "shutting down: finishing the requests already running")
+        return JSONResponse({**body, "models": models}, status_code=503)
+    if host.is_ready:
+        return JSONResponse({"status": "ready", "models": models})
+    waiting = [f"{mid} is {s.status}" + (f" ({s.detail})" if s.detail else "") for mid, s in host.states.items()]
+    body = error_body(503, "not_ready", "not ready: " + "; ".join(waiting))
+    return JSONResponse({**body, "models": models}, status_code=503)

@@ -1,0 +1,40 @@
+"""/v1/responses: the OpenAI Responses API, stateful through previous_response_id."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Path, Request
+
+from server.http import deps
+from server.openai.responses import RESPONSE_ID_PATTERN, ResponseRequest
+from server.serving.responses import Responses
+
+router = APIRouter(tags=["responses"])
+ResponsePath = Path(..., pattern=RESPONSE_ID_PATTERN, description="the response id")
+
+
+@router.post("/v1/responses", summary="Create a response (JSON or SSE events), continuing a previous one's K/V")
+async def create_response(
+    body: ResponseRequest,
+    request: Request,
+    responses: Responses = Depends(deps.responses),
+    tenant: str = Depends(deps.tenant),
+):
+    return await responses.create(body, request, tenant)
+
+
+@router.get("/v1/responses/{response_id}", summary="A stored response")
+async def get_response(
+    response_id: str = ResponsePath,
+    responses: Responses = Depends(deps.responses),
+    tenant: str = Depends(deps.tenant),
+) -> dict:
+    return responses.get(response_id, tenant)
+
+
+@router.delete("/v1/responses/{response_id}", summary="Delete a stored response and its K/V snapshots")
+async def delete_response(
+    response_id: str = ResponsePath,
+    responses: Responses = Depends(deps.responses),
+    tenant: str = Depends(deps.tenant),
+) -> dict:
+    return responses.delete(response_id, tenant)

@@ -1,0 +1,152 @@
+"""Attention over the paged K/V pool, plugged into transformers' attention interface.
+
+One engine step is one forward pass over a packed row of tokens from many sequences ([1, T]);
+the step's metadata rides along as a forward kwarg (`kvserve_step`), which transformers hands
+to every layer's attention function. There the new K/V are written to their slots and each
+sequence attends to its own slots. transformers also passes the layer's `sliding_window` (a
+key is visible when query_pos - key_pos < window) and `softcap` (Gemma-2's tanh capping of
+the scores): both are honoured here. Called without the step kwarg (HF generate in tests) it
+is plain attention over the tensors it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from server.kv.pool import KVPool
+
+ATTN_NAME = "kvserve_paged"
+STEP_KWARG = "kvserve_step"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """One sequence's part of a step: its queries in the packed row and where its context sits in the pool."""
+
+    q_start: int  # this sequence's first token in the packed row
+    q_len: int
+    ctx_len: int  # keys it attends to: positions 0 .. ctx_len - 1 (the new tokens are the last q_len)
+    ctx_slots: torch.Tensor | None  # [ctx_len] slot ids, or None when the context is one contiguous run
+    first_slot: int  # when contiguous: the slot of position 0
+    device: torch.device
+    _masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+    def keys(self, window: int | None) -> tuple[int, int]:
+        """The key positions [lo, ctx_len) a layer with this window can see from this span's queries."""
+        first_query = self.ctx_len - self.q_len
+        lo = 0 if window is None else max(0, first_query - window + 1)
+        return lo, self.ctx_len
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[q_len, ctx_len - lo] bool, True = may attend; None when every key is visible to every query."""
+        if self.q_len == 1:
+            return None  # one query at the end: `keys` already dropped what its window cannot see
+        if window not in self._masks:
+            lo, hi = self.keys(window)
+            queries = self.ctx_len - self.q_len + torch.arange(self.q_len, device=self.device)  # positions
+            keys = torch.arange(lo, hi, device=self.device)
+            visible = keys[None, :] <= queries[:, None]
+            if window is not None:
+                visible &= keys[None, :] > queries[:, None] - window
+            self._masks[window] = None if bool(visible.all()) else visible
+        return self._masks[window]
+
+
+@dataclass(slots=True)
+class StepMeta:
+    pool: KVPool
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    spans: list[SeqSpan]
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """q [1, H, q, D], k/v [1, kvH, ctx, D], mask [q, ctx] bool or None -> [1, H, q, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # as transformers' eager path
+    return torch.matmul(probs, v)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """query [1, H, T, D], key/value [1, kvH, T, D] -> ([1, T, H, D], None)."""
+    step: StepMeta | None = kwargs.get(STEP_KWARG)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if step is None:
+        return _dense(module, query, key, value, attention_mask, scale, sliding_window, softcap, **kwargs)
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    k_pool, v_pool = step.pool.k[layer], step.pool.v[layer]  # [kvH, S, D]
+    k_pool.index_copy_(1, step.slot_mapping, key[0].to(k_pool.dtype))
+    v_pool.index_copy_(1, step.slot_mapping, value[0].to(v_pool.dtype))
+    out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
+    for span in step.spans:
+        lo, hi = span.keys(sliding_window)
+        if span.ctx_slots is None:
+            k = k_pool[:, span.first_slot + lo : span.first_slot + hi]  # a view: no copy
+            v = v_pool[:, span.first_slot + lo : span.first_slot + hi]
+        else:
+            k = k_pool.index_select(1, span.ctx_slots[lo:hi])
+            v = v_pool.index_select(1, span.ctx_slots[lo:hi])
+        q = query[:, :, span.q_start : span.q_start + span.q_len]  # [1, H, q, D]
+        o = attend(q, k.unsqueeze(0), v.unsqueeze(0), span.mask(sliding_window), scale, softcap)
+        out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _dense(module, query, key, value, attention_mask, scale, sliding_window, softcap, **kwargs):  # type: ignore[no-untyped-def]
+    """Without a step (HF generate): the mask transformers built already holds the causal and window rules."""
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale, **kwargs)
+    mask = attention_mask
+    if mask is None:  # transformers skipped it as plainly causal
+        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(
+            key.shape[2] - query.shape[2]
+        )
+    elif mask.dtype != torch.bool:
+        mask = mask == 0  # an additive float mask: 0 where visible
+    out = attend(query, key, value, mask, scale, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def install(model: torch.nn.Module) -> None:
+    """Route this model's attention through `paged_attention`."""
+    AttentionInterface.register(ATTN_NAME, paged_attention)
+    AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(ATTN_NAME)  # type: ignore[operator]
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why the paged engine cannot serve this model, or None when it can."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not route attention through transformers' attention interface"
+    config = model.config.get_text_config(decoder=True)  # type: ignore[operator, union-attr]
+    unknown = sorted(set(getattr(config, "layer_types", None) or []) - set(LAYER_TYPES))
+    if unknown:
+        return f"its layers use attention kinds the paged pool does not implement ({', '.join(unknown)})"
+    return None

@@ -1,0 +1,139 @@
+"""Moving sessions' K/V between the paged pool and the host/disk tiers (on the engine thread).
+
+Down: the blocks holding a transcript's prefix are gathered into per-layer tensors
+[kv_heads, tokens, head_dim] on the host (pinned, asynchronous on CUDA). Up: a snapshot's
+tokens are written into blocks from the request's reservation and published under their
+prefix hashes, so the request that restored them, and any later one, finds them like
+computed blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from server.kv.blocks import Block, BlockManager
+from server.kv.pool import KVPool
+from server.kv.snapshot import Snapshot
+from server.kv.tiers import TierStore
+from server.sessions.record import SessionKey
+from server.sessions.store import SessionStore
+
+log = logging.getLogger("kvserve.engine")
+MAX_PENDING_BYTES = 1 << 30  # at shutdown, snapshots waiting for the disk writer
+MAX_SESSIONS_WALKED = 256  # above this, a delete leaves its blocks to the LRU instead of walking every session
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def restore(pool: KVPool, manager: BlockManager, salt: str, shared: list[Block], snapshot: Snapshot, num_tokens: int):
+    """Write the snapshot's tokens past `shared` (up to `num_tokens`) into new blocks from a reservation."""
+    snapshot.wait()
+    bs = manager.block_size
+    parent = shared[-1].hash if shared else manager.root(salt)
+    prefer = shared[-1].block_id + 1 if shared else None  # contiguous with the shared prefix when free
+    first = len(shared) * bs
+    restored: list[Block] = []
+    for _start in range(first, num_tokens, bs):
+        restored.append(manager.allocate(prefer))
+        prefer = restored[-1].block_id + 1
+    try:
+        slots = pool.slots([b.block_id for b in restored], num_tokens - first)
+        pool.scatter(slots, [k[:, first:num_tokens] for k in snapshot.k], [v[:, first:num_tokens] for v in snapshot.v])
+    except BaseException:
+        manager.release(restored, keep_contents=False)  # nothing was published: no one can see these
+        manager.reserve(len(restored))  # back to the request's reservation
+        raise
+    for block, start in zip(restored, range(first, num_tokens, bs), strict=True):  # published once written
+        assert parent is not None  # every block before it was full
+        manager.record(block, parent, list(snapshot.token_ids[start : min(start + bs, num_tokens)]))
+        parent = block.hash
+    return restored
+
+
+class Offloader:
+    """Which sessions' K/V leave the pool for the tiers, and when."""
+
+    def __init__(
+        self, pool: KVPool, manager: BlockManager, store: SessionStore, tiers: TierStore, model_id: str, fp: str
+    ) -> None:
+        self.pool, self.manager, self.store, self.tiers = pool, manager, store, tiers
+        self.model_id, self.fingerprint = model_id, fp
+        self.num_spilled = 0
+
+    def gather(self, key: SessionKey, token_ids: list[int]) -> Snapshot | None:
+        """A host copy of the K/V the pool holds for a prefix of `token_ids` (None when it holds none)."""
+        blocks, num_tokens = self.manager.chain(key.tenant, token_ids)
+        if num_tokens == 0:
+            return None
+        k, v = self.pool.gather(self.pool.slots([b.block_id for b in blocks], num_tokens))
+        ready = None
+        if self.pool.device.type == "cuda":
+            k, v = [_to_host(t) for t in k], [_to_host(t) for t in v]
+            ready = torch.cuda.Event()
+            ready.record()
+        return Snapshot(key, self.model_id, self.fingerprint, list(token_ids[:num_tokens]), k, v, ready=ready)
+
+    def spill(self, num_needed: int) -> None:
+        """Before the pool evicts cached blocks, copy idle sessions' K/V down a tier, least recently used first."""
+        deficit = num_needed - (self.manager.num_free - self.manager.num_reserved)
+        if deficit <= 0 or not self.tiers.is_enabled:
+            return
+        for key, token_ids in self.store.idle_transcripts(self.model_id):
+            blocks, num_tokens = self.manager.chain(key.tenant, token_ids)
+            if blocks and not self.tiers.covers(key, token_ids[:num_tokens]):  # never replace a longer copy
+                self.save(key, token_ids)
+            deficit -= sum(1 for b in blocks if b.ref_count == 0)
+            if deficit <= 0:
+                return
+
+    def discard_forgotten(self) -> None:
+        """A deleted or expired session's K/V leaves the pool too, unless another session reaches it.
+
+        The walk is skipped for tenants with very many sessions (the blocks are unreferenced and the
+        LRU reclaims them).
+        """
+        by_tenant: dict[str, list[list[int]]] = {}
+        for key, token_ids in self.store.take_forgotten(self.model_id):
+            by_tenant.setdefault(key.tenant, []).append(token_ids)
+        for tenant, transcripts in by_tenant.items():
+            others = self.store.others(SessionKey(tenant, ""), self.model_id)
+            if len(others) > MAX_SESSIONS_WALKED:
+                continue
+            kept = {b.block_id for ids in others for b in self.manager.chain(tenant, ids)[0]}
+            gone = [b for ids in transcripts for b in self.manager.chain(tenant, ids)[0]]
+            self.manager.discard([b for b in gone if b.block_id not in kept])
+
+    def save_all(self) -> int:
+        """At shutdown: every idle session's K/V the pool holds goes down a tier. Returns how many."""
+        saved = 0
+        for key, token_ids in self.store.idle_transcripts(self.model_id):
+            num_tokens = self.manager.chain(key.tenant, token_ids)[1]
+            if num_tokens and not self.tiers.covers(key, token_ids[:num_tokens]):
+                saved += self.save(key, token_ids)
+            if self.tiers.pending_bytes() > MAX_PENDING_BYTES:
+                self.tiers.flush_pending()  # a large pool is not copied into host RAM all at once
+        return saved
+
+    def save(self, key: SessionKey, token_ids: list[int]) -> bool:
+        """Best effort: a session whose copy fails (e.g. out of memory) just recomputes later."""
+        try:
+            snapshot = self.gather(key, token_ids)
+            if snapshot is None:
+                return False
+            self.tiers.put(snapshot)
+        except Exception:
+            log.exception("copying the K/V of session %s down a tier failed", key.name)
+            return False
+        if not self.store.is_live(key):
+            self.tiers.drop(key)  # deleted while it was copied
+            return False
+        self.num_spilled += 1
+        return True

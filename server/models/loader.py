@@ -1,0 +1,180 @@
+"""What to serve (models.toml) and loading it: local directories, hub repos, GGUF files in packages.
+
+A model the paged engine cannot serve (its attention does not go through transformers' attention
+interface, or uses a kind the pool does not implement) is refused here, with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.kv.attention import unsupported_reason
+from server.models.convert import convert_gguf, gguf_cache_dir
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+log = logging.getLogger("kvserve.registry")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class ModelLoadError(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    id: str
+    source: str  # a path, "hf:ORG/NAME", or "package:PKG/FILE.gguf"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_context: int | None = None
+    chat_template: str | None = None  # a template string, or a file path
+    base_dir: str = "."  # where relative paths in this spec start
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    spec: ModelSpec
+    model: Any  # a transformers PreTrainedModel (untyped)
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    max_context: int
+    eos_ids: frozenset[int]
+
+
+def read_specs(models_file: Path) -> list[ModelSpec]:
+    with open(models_file, "rb") as f:
+        data = tomllib.load(f)
+    specs = []
+    for raw in data.get("models", []):
+        unknown = set(raw) - set(ModelSpec.__slots__)
+        if unknown:
+            raise ValueError(f"{models_file}: unknown keys {sorted(unknown)} in model {raw.get('id')!r}")
+        specs.append(ModelSpec(**raw, base_dir=str(models_file.parent)))
+    if not specs:
+        raise ValueError(f"{models_file}: no [[models]] entries")
+    return specs
+
+
+def spec_from_cli(path_or_id: str) -> ModelSpec:
+    """`--model`: a local directory or GGUF file if it exists, else a hub repo id (fetched on request)."""
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        return ModelSpec(id=path.resolve().name.removesuffix(".gguf"), source=str(path.resolve()))
+    return ModelSpec(id=path_or_id, source=f"hf:{path_or_id}")
+
+
+def pick_device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        is_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if is_bf16 else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_source(spec: ModelSpec, cache_dir: Path) -> str:
+    """A directory or hub id that transformers' from_pretrained can read (converting GGUF once)."""
+    source = spec.source
+    if source.startswith("hf:"):
+        log.info("model %s: loading %s from the Hugging Face hub (or its local cache)", spec.id, source[3:])
+        return source[3:]
+    if source.startswith("package:"):
+        gguf = _package_file(source[len("package:") :])
+    else:
+        gguf = Path(source).expanduser()
+        if not gguf.is_absolute():
+            gguf = Path(spec.base_dir) / gguf
+        if not gguf.exists():
+            raise FileNotFoundError(f"no such file or directory: {gguf}")
+        if gguf.is_dir():
+            return str(gguf)
+    target = gguf_cache_dir(gguf, cache_dir, spec.id)
+    if not target.exists():
+        convert_gguf(gguf, target)
+    return str(target)
+
+
+def _package_file(ref: str) -> Path:
+    package, _, filename = ref.partition("/")
+    found = importlib.util.find_spec(package)  # locate without importing it
+    if found is None or not found.submodule_search_locations:
+        raise FileNotFoundError(f"python package {package!r} is not installed (see README: make install)")
+    path = Path(list(found.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise FileNotFoundError(f"{filename!r} not found in package {package!r}")
+    return path
+
+
+def load_model(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
+    try:
+        return _load(spec, cache_dir)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"model {spec.id!r} (source {spec.source}) failed to load: {exc}") from exc
+
+
+def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = pick_device(spec.device)
+    dtype = pick_dtype(spec.dtype, device)
+    where = resolve_source(spec, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).to(device).eval()
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ModelLoadError(f"model {spec.id!r} cannot be served: {reason}")
+    if spec.chat_template:
+        tokenizer.chat_template = _read_template(spec)
+    config = model.config.get_text_config(decoder=True)
+    max_context = spec.max_context or getattr(config, "max_position_embeddings", None) or 2048
+    return LoadedModel(
+        spec=spec,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        max_context=int(max_context),
+        eos_ids=_eos_ids(model, tokenizer),
+    )
+
+
+def _read_template(spec: ModelSpec) -> str:
+    if "{{" in spec.chat_template or "{%" in spec.chat_template:
+        return spec.chat_template  # a template, not a path (one may be longer than a file name may be)
+    return (Path(spec.base_dir) / spec.chat_template).read_text()
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)

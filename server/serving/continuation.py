@@ -1,0 +1,78 @@
+"""Token-exact chat continuation: a session's next prompt is its transcript plus the new messages.
+
+Re-rendering the whole conversation through the chat template does not give back the
+tokens the model saw: templates rewrite earlier turns (strip reasoning, trim whitespace),
+insert defaults (SmolLM2 adds a system prompt when none is given), and a reply tokenizes
+differently once it is text. So when a request's messages extend the ones a session has
+seen, the transcript ids are kept as they are and only the new messages are rendered.
+
+To render just the new messages in their real context, the whole conversation is rendered
+with the seen messages' contents replaced by inert placeholders (rewriting that works on
+content, like stripping reasoning, leaves them alone), and the new text is what follows the
+last placeholder, less the part of that message's closing the transcript already holds.
+When the history was edited, or the template defeats this (it rewrote a placeholder), the
+caller falls back to a full render and the engine reuses the longest common prefix.
+"""
+
+from __future__ import annotations
+
+from server.models.loader import LoadedModel
+from server.openai.errors import ApiError
+from server.sessions.record import Session
+
+PLACEHOLDER = "kvserve-seen-message-{}"
+
+
+def render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: bool) -> str:
+    tokenizer = loaded.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "invalid_parameter", f"model {loaded.spec.id!r} has no chat template", "messages")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's to fix
+        raise ApiError(400, "invalid_parameter", f"chat template rejected the messages: {exc}", "messages") from exc
+
+
+def tokenize(loaded: LoadedModel, text: str) -> list[int]:
+    # The template writes the special tokens itself; adding BOS again would change the prompt.
+    return loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_ids(loaded: LoadedModel, messages: list[dict], session: Session | None) -> list[int]:
+    """The prompt for `messages`: the session's transcript + the new messages when they extend it."""
+    if session is not None:
+        ids = continued_ids(loaded, messages, session)
+        if ids is not None:
+            return ids
+    return tokenize(loaded, render(loaded, messages, add_generation_prompt=True))
+
+
+def continued_ids(loaded: LoadedModel, messages: list[dict], session: Session) -> list[int] | None:
+    seen, transcript = session.messages, session.transcript_ids
+    if not seen or not transcript or len(messages) <= len(seen) or messages[: len(seen)] != seen:
+        return None  # nothing seen, or the history was edited: longest common prefix instead
+    placeholders = [{**m, "content": PLACEHOLDER.format(i)} for i, m in enumerate(seen)]
+    last = placeholders[-1]["content"]
+    full = render(loaded, placeholders + messages[len(seen) :], add_generation_prompt=True)
+    if full.count(last) != 1:
+        return None  # the template rewrote the placeholder itself: no safe place to cut
+    new_text = full[full.index(last) + len(last) :]  # the last seen message's closing, then the new messages
+    held = _held_closing(loaded, placeholders, last, transcript, is_reply=seen[-1]["role"] == "assistant")
+    if not new_text.startswith(held):
+        return None
+    return transcript + tokenize(loaded, new_text[len(held) :])
+
+
+def _held_closing(loaded: LoadedModel, placeholders: list[dict], last: str, transcript: list[int], is_reply: bool):
+    """The part of the last seen message's closing the transcript already holds.
+
+    A system prompt prefilled at creation holds all of it ('<|im_end|>\n'). A generated reply
+    holds its end-of-turn token when it stopped on one, not the newline the template adds
+    after it; a reply cut by max_tokens or a stop string holds none of the closing.
+    """
+    if not is_reply:
+        alone = render(loaded, placeholders, add_generation_prompt=False)
+        return alone[alone.index(last) + len(last) :] if last in alone else "\0"  # "\0": no match, fall back
+    if transcript[-1] in loaded.eos_ids:
+        return loaded.tokenizer.decode([transcript[-1]])
+    return ""

@@ -1,0 +1,168 @@
+"""What every generation endpoint shares: the model's engine, building the request, quotas, admission.
+
+`Serving.request` is the one place a GenerationRequest is built. `Serving.start` submits it and
+waits for the engine's Admitted event, so the cache headers are facts and a request refused at
+admission gets a real status code instead of a stream that opens and fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import Any
+
+from fastapi import Request
+
+from server.engine.engine import Engine
+from server.engine.handle import RequestHandle
+from server.engine.request import Admitted, EngineError, Failed, GenerationRequest, SamplingParams
+from server.hosting import ModelHost
+from server.metrics import Metrics
+from server.openai.errors import ApiError
+from server.openai.schemas import SESSION_ID_PATTERN, SamplingFields
+from server.sessions.errors import SessionError
+from server.sessions.record import SessionKey
+
+log = logging.getLogger("kvserve.requests")
+SESSION_HEADER = "X-Session-ID"
+
+
+class Serving:
+    def __init__(self, host: ModelHost, metrics: Metrics) -> None:
+        self.host = host
+        self.settings = host.settings
+        self.store = host.store
+        self.metrics = metrics
+
+    def engine(self, model: str) -> Engine:
+        state = self.host.states.get(model)
+        if state is None:
+            raise ApiError(404, "model_not_found", f"model {model!r} does not exist", "model")
+        engine = self.host.engines.get(model)
+        if engine is None:
+            raise ApiError(503, "not_ready", f"model {model!r} is {state.status}: {state.detail}".rstrip(": "))
+        return engine
+
+    def request(
+        self,
+        *,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tenant: str,
+        session: SessionKey | None = None,
+        kv_source: SessionKey | None = None,
+        use_cache: bool = True,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> GenerationRequest:
+        """The request the engine runs; `kv_source`: whose lower-tier snapshot may hold the prompt's K/V."""
+        return GenerationRequest(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            tenant=tenant,
+            session=session,
+            kv_source=kv_source if use_cache else None,
+            use_cache=use_cache,
+            messages=messages,
+            timeout_s=self.settings.request_timeout_s,
+            max_unread_events=self.settings.max_unread_events,
+        )
+
+    async def start(
+        self, engine: Engine, gen: GenerationRequest, http: Request | None
+    ) -> tuple[RequestHandle, Admitted]:
+        """Submit, and wait until the engine admits the request (its cached prefix is then known)."""
+        if self.host.is_draining:
+            raise ApiError(503, "shutting_down", "the server is shutting down; retry on another instance")
+        try:
+            handle = engine.submit(gen)
+        except (EngineError, SessionError) as exc:
+            raise ApiError.of(exc.code, exc.message) from exc
+        watcher = asyncio.create_task(cancel_on_disconnect(http, handle)) if http is not None else None
+        try:
+            first = await anext(handle)
+        except BaseException:  # cancelled while queued (client gone, server stopping): stop the request too
+            handle.cancel()
+            raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        if isinstance(first, Failed):
+            raise ApiError.of(first.code, first.message)
+        assert isinstance(first, Admitted)
+        log.info(
+            "request %s admitted: tenant=%s session=%s prompt_tokens=%d cached=%d source=%s",
+            gen.request_id,
+            gen.tenant,
+            gen.session.name if gen.session else "-",
+            first.num_prompt,
+            first.num_cached,
+            first.source,
+        )  # ids and counts only: prompts are the tenants' data
+        if self.settings.log_prompts:
+            log.debug("request %s prompt ids: %s", gen.request_id, gen.prompt_ids)
+        return handle, first
+
+    def session_for(self, key: SessionKey | None, num_new_tokens: int, engine: Engine) -> SessionKey | None:
+        """The session a request may use: a bucket past the tenant's limit is dropped, a session checked."""
+        if key is None:
+            return None
+        if key.is_bucket:
+            num_buckets, _ = self.store.tenant_usage(key.tenant, exclude=key)
+            is_new = not self.store.is_live(key)
+            return None if is_new and num_buckets >= self.settings.max_sessions_per_tenant else key
+        self.check_quota(key, num_new_tokens, engine)
+        return key
+
+    def check_quota(self, key: SessionKey, num_new_tokens: int, engine: Engine) -> None:
+        """429 quota_exceeded when this session (new or growing) would take the tenant past its limits."""
+        s = self.settings
+        num_sessions, num_tokens = self.store.tenant_usage(key.tenant, exclude=key)
+        if not self.store.is_live(key) and num_sessions >= s.max_sessions_per_tenant:
+            message = (
+                f"this tenant already has {num_sessions} sessions (limit {s.max_sessions_per_tenant}); delete some"
+            )
+            raise ApiError(429, "quota_exceeded", message)
+        num_bytes = (num_tokens + num_new_tokens) * engine.token_bytes
+        if num_bytes > s.max_tenant_kv_bytes:
+            message = (
+                f"this tenant's sessions would hold {num_bytes} bytes of K/V (limit {s.max_tenant_kv_bytes}); "
+                "delete or rewind sessions"
+            )
+            raise ApiError(429, "quota_exceeded", message)
+
+
+def cache_headers(admitted: Admitted) -> dict[str, str]:
+    """X-Cache: hit when every prompt token but the last was cached, miss when none was, partial otherwise."""
+    if admitted.num_cached == 0:
+        verdict = "miss"
+    elif admitted.num_cached >= admitted.num_prompt - 1:
+        verdict = "hit"
+    else:
+        verdict = "partial"
+    return {"X-Cache": verdict, "X-Cache-Source": admitted.source}
+
+
+def session_key(req: SamplingFields, http: Request, tenant: str) -> SessionKey | None:
+    """The body's session_id or the X-Session-ID header (they must agree), else a prompt_cache_key bucket."""
+    header = http.headers.get(SESSION_HEADER)
+    if header is not None:
+        if not re.fullmatch(SESSION_ID_PATTERN, header):
+            raise ApiError(400, "invalid_parameter", "session ids are 1-128 characters of [A-Za-z0-9_-]", "session_id")
+        if req.session_id is not None and req.session_id != header:
+            raise ApiError(400, "invalid_parameter", "body session_id and X-Session-ID header differ", "session_id")
+    name = req.session_id or header
+    if name is not None:
+        return SessionKey(tenant, name)
+    if req.prompt_cache_key is not None:
+        return SessionKey(tenant, req.prompt_cache_key, kind="bucket")
+    return None
+
+
+async def cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
+    """The body is already read, so the next ASGI message is the client going away."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    handle.cancel()

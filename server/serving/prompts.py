@@ -1,0 +1,109 @@
+"""From a validated request to prompt ids and sampling parameters, with the context-length rule."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from server.engine.request import SamplingParams
+from server.models.loader import LoadedModel
+from server.openai.errors import ApiError
+from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+@dataclass(slots=True)
+class Prompt:
+    ids: list[int]
+    messages: list[dict] | None  # chat: what the ids render (kept in the session record); None for completions
+
+
+def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
+    prompt = req.single_prompt()
+    if isinstance(prompt, str):
+        ids = loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        ids = list(prompt)
+        if any(not 0 <= t < loaded.vocab_size for t in ids):
+            raise ApiError(400, "invalid_parameter", f"token ids must be in [0, {loaded.vocab_size})", "prompt")
+    return _non_empty(ids, "prompt")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    return [_message(m) for m in req.messages]
+
+
+def _message(message) -> dict:
+    """As the chat template expects it; `name` is passed on for templates that render it."""
+    out = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _non_empty(ids: list[int], param: str) -> list[int]:
+    if not ids:
+        raise ApiError(400, "invalid_parameter", "the prompt has no tokens", param)
+    return ids
+
+
+def sampling_params(
+    req: SamplingFields,
+    loaded: LoadedModel,
+    num_prompt: int,
+    max_tokens: int | None,
+    default_max_tokens: int,
+    num_logprobs: int | None,
+    max_tokens_limit: int | None = None,
+) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=output_budget(loaded, num_prompt, max_tokens, default_max_tokens, max_tokens_limit),
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=max(req.top_k, 0),
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req, loaded.vocab_size),
+        seed=req.seed,
+        num_logprobs=num_logprobs,
+        stop=req.stop_list(),
+        stop_token_ids=_token_ids(req.stop_token_ids or [], loaded.vocab_size, "stop_token_ids"),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def output_budget(
+    loaded: LoadedModel, num_prompt: int, max_tokens: int | None, default_max_tokens: int, limit: int | None = None
+) -> int:
+    """The request's max_tokens, or the default cut to the context; 400 when the context cannot hold it."""
+    max_context = loaded.max_context
+    if max_tokens is not None and limit is not None and max_tokens > limit:
+        raise ApiError(400, "invalid_parameter", f"max_tokens is at most {limit} on this server", "max_tokens")
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, max_context - num_prompt, limit or default_max_tokens)
+    if num_prompt + max_tokens > max_context or max_tokens < 1:
+        raise ApiError(
+            400,
+            "context_length_exceeded",
+            f"this model's context is {max_context} tokens; the prompt has {num_prompt} "
+            f"and max_tokens asks for {max(max_tokens, 0)} more",
+            "max_tokens" if num_prompt < max_context else "messages",
+        )
+    return max_tokens
+
+
+def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float]:
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not re.fullmatch(r"-?[0-9]{1,9}", key):
+            raise ApiError(400, "invalid_parameter", "logit_bias keys must be token ids", "logit_bias")
+        bias[int(key)] = value
+    _token_ids(list(bias), vocab_size, "logit_bias")
+    return bias
+
+
+def _token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise ApiError(400, "invalid_parameter", f"token ids must be in [0, {vocab_size})", param)
+    return ids

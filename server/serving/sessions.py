@@ -1,0 +1,183 @@
+"""Sessions as a resource: create (with a prefilled system prompt), list, describe, fork, rewind, delete.
+
+A session's device K/V is reported by its model's engine (asked on its thread, never read from
+here); its host and disk snapshots by the tiers.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from server.engine.engine import DeviceUsage, Engine
+from server.engine.request import Failed, SamplingParams
+from server.openai.errors import ApiError
+from server.openai.schemas import SessionCreate
+from server.serving import continuation
+from server.serving.core import Serving
+from server.sessions.errors import SessionError
+from server.sessions.record import SessionInfo, SessionKey
+
+MAX_LIST = 1000
+T = TypeVar("T")
+
+
+def new_session_id() -> str:
+    return "sess_" + secrets.token_hex(16)  # 128 random bits
+
+
+def not_found(session_id: str) -> ApiError:
+    # Unknown and foreign ids answer alike: no way to probe another tenant's sessions.
+    return ApiError(404, "session_not_found", f"no session {session_id!r}", "session_id")
+
+
+class Sessions:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.host = serving.host
+        self.store = serving.store
+
+    async def create(self, body: SessionCreate, tenant: str) -> dict[str, Any]:
+        model = body.model or next(iter(self.host.states))
+        engine = self.serving.engine(model)
+        key = SessionKey(tenant, new_session_id())
+        self.serving.check_quota(key, 0, engine)
+        if body.system is None:
+            self.store.create(key, engine.model_id, body.ttl_s)
+            return await self.describe(key)
+        loaded = engine.loaded
+        messages = [{"role": "system", "content": body.system}]
+        ids = continuation.tokenize(loaded, continuation.render(loaded, messages, add_generation_prompt=False))
+        if len(ids) >= loaded.max_context:
+            message = f"the system prompt has {len(ids)} tokens; this model's context is {loaded.max_context}"
+            raise ApiError(400, "context_length_exceeded", message, "system")
+        self.store.create(key, engine.model_id, body.ttl_s)
+        try:
+            await self._prefill(engine, key, ids, messages)
+        except BaseException:
+            self.store.delete(key)
+            raise
+        return await self.describe(key)
+
+    async def _prefill(self, engine: Engine, key: SessionKey, ids: list[int], messages: list[dict[str, Any]]) -> None:
+        """Compute the system prompt's K/V now: a request that generates nothing and sets the session's base."""
+        gen = self.serving.request(
+            request_id=f"prefill-{uuid.uuid4().hex}",
+            prompt_ids=ids,
+            params=SamplingParams(max_tokens=0),
+            tenant=key.tenant,
+            session=key,
+            messages=messages,
+        )
+        handle, _admitted = await self.serving.start(engine, gen, None)
+        try:
+            async for event in handle:
+                if isinstance(event, Failed):
+                    raise ApiError.of(event.code, event.message)
+        finally:
+            handle.cancel()  # a no-op once finished; stops the prefill when this request is cancelled
+
+    async def describe(self, key: SessionKey) -> dict[str, Any]:
+        info = self.store.info(key)
+        if info is None or info.key.kind != key.kind:
+            raise not_found(key.name)
+        (device,) = await self._residency([info], with_sharing=True)
+        return self._body(info, device, with_sharing=True)
+
+    async def list(self, tenant: str, limit: int, after: str | None) -> dict[str, Any]:
+        infos = self.store.list(tenant)
+        if after is not None:
+            names = [i.key.name for i in infos]
+            infos = infos[names.index(after) + 1 :] if after in names else []
+        page = infos[:limit]
+        devices = await self._residency(page, with_sharing=False)
+        return {
+            "object": "list",
+            "data": [self._body(info, device, with_sharing=False) for info, device in zip(page, devices, strict=True)],
+            "has_more": len(infos) > limit,
+            "last_id": page[-1].key.name if page else None,
+        }
+
+    async def _residency(self, infos: list[SessionInfo], with_sharing: bool) -> list[DeviceUsage]:
+        """Each session's K/V in its engine's pool; one question per engine, asked on its thread.
+
+        `with_sharing=False` (lists) skips the exclusive/shared split, which walks the tenant's other sessions.
+        """
+        found = [DeviceUsage(0, 0, 0)] * len(infos)
+        by_model: dict[str, list[int]] = {}
+        for index, info in enumerate(infos):
+            by_model.setdefault(info.model_id, []).append(index)
+        for model_id, indices in by_model.items():
+            engine = self.host.engines.get(model_id)
+            if engine is None:
+                continue
+            items = []
+            for index in indices:
+                key = infos[index].key
+                others = self.store.others(key, model_id) if with_sharing else []
+                items.append((key, self.store.transcript(key), others))
+            for index, usage in zip(indices, await engine.residency(items), strict=True):
+                found[index] = usage
+        return found
+
+    def _body(self, info: SessionInfo, device: DeviceUsage, with_sharing: bool) -> dict[str, Any]:
+        lower = self.host.tiers.usage(info.key)
+        device_usage = _tier(device.num_tokens, device.exclusive_bytes, device.shared_bytes)
+        if not with_sharing:
+            device_usage["exclusive_bytes"] = device_usage["shared_bytes"] = None
+        return {
+            "id": info.key.name,
+            "object": "session",
+            "model": info.model_id,
+            "created_at": int(info.created_at),
+            "last_used_at": round(info.last_use, 3),
+            "expires_at": int(info.expires_at),
+            "turns": info.num_turns,
+            "transcript_tokens": info.num_transcript_tokens,
+            "system_tokens": info.num_base_tokens,
+            "cached_tokens": max(device.num_tokens, lower.host_tokens, lower.disk_tokens),
+            "in_use": info.is_in_use,
+            "parent": info.parent,
+            "cache": {
+                "device": device_usage,
+                "host": _tier(lower.host_tokens, lower.host_bytes, 0),  # snapshots are per session
+                "disk": _tier(lower.disk_tokens, lower.disk_bytes, 0),
+            },
+        }
+
+    async def fork(self, key: SessionKey, turn: int | None, ttl_s: float | None) -> dict[str, Any]:
+        info = self.store.info(key)
+        if info is None:
+            raise not_found(key.name)
+        new_key = SessionKey(key.tenant, new_session_id())
+        engine = self.host.engines.get(info.model_id)
+        if engine is not None:
+            self.serving.check_quota(new_key, info.num_transcript_tokens, engine)
+        num_turns = info.num_turns if turn is None else turn
+        _refusing(lambda: self.store.fork(key, new_key, num_turns, ttl_s), key)
+        return await self.describe(new_key)
+
+    async def rewind(self, key: SessionKey, turn: int) -> dict[str, Any]:
+        _refusing(lambda: self.store.rewind(key, turn), key)
+        return await self.describe(key)
+
+    def delete(self, key: SessionKey) -> dict[str, Any]:
+        if not self.store.delete(key):
+            raise not_found(key.name)
+        return {"id": key.name, "object": "session.deleted", "deleted": True}
+
+
+def _refusing(change: Callable[[], T], key: SessionKey) -> T:
+    """A store change, its refusals as API errors (a busy session 409, a turn out of range 400)."""
+    try:
+        return change()
+    except SessionError as exc:
+        if exc.code == "session_not_found":
+            raise not_found(key.name) from exc
+        raise ApiError.of(exc.code, exc.message, "turn") from exc
+
+
+def _tier(num_tokens: int, exclusive: int, shared: int) -> dict[str, Any]:
+    return {"tokens": num_tokens, "bytes": exclusive + shared, "exclusive_bytes": exclusive, "shared_bytes": shared}

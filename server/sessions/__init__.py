@@ -1,0 +1,1 @@
+"""Sessions as records: keys, transcripts, turns, the journal and the store. No torch here."""

@@ -1,0 +1,191 @@
+"""A session: its key, the token transcript turn by turn, its chat messages, and what a turn reports.
+
+The transcript is the source of truth (K/V only saves recomputation); the journal writes the
+record to disk when a turn completes, before the client hears that it did. Nothing here knows
+about tensors: K/V lives in server/kv, found by the transcript's prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from server.sessions.errors import InvalidTurn
+
+RECORD_VERSION = 1
+KINDS = ("session", "response", "bucket")
+
+
+@dataclass(slots=True, frozen=True)
+class SessionKey:
+    """Where a request's state lives: a tenant's session, stored response or cache bucket."""
+
+    tenant: str
+    name: str
+    kind: str = "session"  # session | response | bucket (prompt_cache_key: shared, never locks)
+
+    @property
+    def is_bucket(self) -> bool:
+        return self.kind == "bucket"
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens not fed to the model in this request
+
+
+@dataclass(slots=True)
+class Turn:
+    end: int  # transcript length once this turn completed
+    num_messages: int  # chat messages the transcript holds by then
+
+
+@dataclass(slots=True, frozen=True)
+class CompletedTurn:
+    """What the engine reports when a request completes; the store turns it into session state."""
+
+    transcript_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: Usage
+    messages: list[dict[str, Any]] | None  # the request's chat messages (None: a completion, not chat)
+    is_base: bool = False  # a prefill-only request: sets the session's starting point, not a turn
+
+
+@dataclass(slots=True)
+class Session:
+    key: SessionKey
+    model_id: str
+    transcript_ids: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=lambda: [Turn(0, 0)])  # turns[0]: the base (system prompt)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat messages the transcript holds
+    ttl_s: float = 3600.0
+    parent: str | None = None  # responses: the previous response; forks: the session branched from
+    extras: dict[str, Any] = field(default_factory=dict)  # what the kind's own code keeps (responses: fields, result)
+    created_at: float = 0.0  # unix time
+    last_use: float = 0.0  # monotonic clock
+    last_use_wall: float = 0.0  # unix time, for reporting and restarts
+    is_in_use: bool = False
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns) - 1
+
+    def apply(self, turn: CompletedTurn) -> None:
+        self.transcript_ids = list(turn.transcript_ids)
+        if turn.messages is None or self.key.is_bucket:  # a bucket is a cache key: it keeps no prompt text
+            self.messages = []
+        else:
+            reply = [] if turn.is_base else [{"role": "assistant", "content": turn.text}]
+            self.messages = [*turn.messages, *reply]
+        mark = Turn(len(self.transcript_ids), len(self.messages))
+        self.turns = [mark] if turn.is_base else [*self.turns, mark]
+
+    def copy(self) -> Session:
+        """A detached copy, safe to read or change outside the store's lock."""
+        return replace(
+            self,
+            transcript_ids=list(self.transcript_ids),
+            turns=list(self.turns),
+            messages=[dict(m) for m in self.messages],
+            extras=dict(self.extras),
+        )
+
+    def branch(self, num_turns: int) -> dict[str, Any]:
+        """The fields of a new session holding this one's first `num_turns` turns (a fork)."""
+        self.check_turn(num_turns)
+        turns = list(self.turns[: num_turns + 1])
+        return {
+            "transcript_ids": list(self.transcript_ids[: turns[-1].end]),
+            "messages": [dict(m) for m in self.messages[: turns[-1].num_messages]],
+            "turns": turns,
+            "parent": self.key.name,
+        }
+
+    def check_turn(self, num_turns: int) -> None:
+        if not 0 <= num_turns <= self.num_turns:
+            raise InvalidTurn(f"turn must be between 0 and {self.num_turns}, the session's number of turns")
+
+    def cut(self, num_turns: int) -> None:
+        """Keep turns 1..num_turns (and the base)."""
+        self.turns = self.turns[: num_turns + 1]
+        last = self.turns[-1]
+        self.transcript_ids = self.transcript_ids[: last.end]
+        self.messages = self.messages[: last.num_messages]
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "version": RECORD_VERSION,
+            "session": [self.key.tenant, self.key.name, self.key.kind],
+            "model": self.model_id,
+            "transcript_ids": self.transcript_ids,
+            "turns": [[t.end, t.num_messages] for t in self.turns],
+            "messages": self.messages,
+            "ttl_s": self.ttl_s,
+            "parent": self.parent,
+            "record": self.extras,
+            "created_at": self.created_at,
+            "last_used_at": self.last_use_wall,
+        }
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any], now_mono: float, now_wall: float) -> Session:
+        if data.get("version") != RECORD_VERSION:
+            raise ValueError(f"record version {data.get('version')!r}")
+        tenant, name, kind = data["session"]
+        if kind not in KINDS:
+            raise ValueError(f"record kind {kind!r}")
+        last_wall = float(data["last_used_at"])
+        return cls(
+            key=SessionKey(str(tenant), str(name), str(kind)),
+            model_id=str(data["model"]),
+            transcript_ids=[int(t) for t in data["transcript_ids"]],
+            turns=[Turn(int(end), int(n)) for end, n in data["turns"]],
+            messages=list(data["messages"]),
+            ttl_s=float(data["ttl_s"]),
+            parent=data.get("parent"),
+            extras=dict(data.get("record") or {}),
+            created_at=float(data["created_at"]),
+            last_use=now_mono - max(0.0, now_wall - last_wall),
+            last_use_wall=last_wall,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class SessionInfo:
+    key: SessionKey
+    model_id: str
+    num_turns: int
+    num_transcript_tokens: int
+    num_base_tokens: int  # the system prompt prefilled at creation
+    is_in_use: bool
+    created_at: float  # unix time
+    last_use: float  # unix time
+    expires_at: float  # unix time
+    parent: str | None
+
+    @classmethod
+    def of(cls, session: Session) -> SessionInfo:
+        return cls(
+            key=session.key,
+            model_id=session.model_id,
+            num_turns=session.num_turns,
+            num_transcript_tokens=len(session.transcript_ids),
+            num_base_tokens=session.turns[0].end,
+            is_in_use=session.is_in_use,
+            created_at=session.created_at,
+            last_use=session.last_use_wall,
+            expires_at=session.last_use_wall + session.ttl_s,
+            parent=session.parent,
+        )
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

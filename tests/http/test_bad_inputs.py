@@ -1,0 +1,153 @@
+"""A table of bad inputs: each must answer its documented status in the OpenAI error envelope."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from server.settings import Settings
+from tests.helpers import wait_until
+from tests.http.conftest import serve_live
+
+ALICE, BOB = "sk-alice-0001", "sk-bob-000002"
+MSG = [{"role": "user", "content": "Hello"}]
+CHAT, COMPLETIONS, RESPONSES, SESSIONS = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/sessions"
+
+
+def chat(**fields) -> dict:
+    return {"model": "tiny", "messages": MSG, **fields}
+
+
+# (name, method, path, body: dict | bytes | None, status, code)
+CASES = [
+    ("malformed JSON", "post", CHAT, b'{"model": "tiny", "messages": [', 400, "invalid_json"),
+    ("not an object", "post", CHAT, b"[1, 2, 3]", 400, "invalid_parameter"),
+    (
+        "invalid UTF-8",
+        "post",
+        CHAT,
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+        400,
+        "invalid_json",
+    ),
+    ("empty body", "post", CHAT, b"", 400, "invalid_json"),
+    ("model missing", "post", CHAT, {"messages": MSG}, 400, "invalid_parameter"),
+    ("model of wrong type", "post", CHAT, chat(model=7), 400, "invalid_parameter"),
+    ("unknown model", "post", CHAT, chat(model="gpt-9"), 404, "model_not_found"),
+    ("messages of wrong type", "post", CHAT, chat(messages="hi"), 400, "invalid_parameter"),
+    ("empty messages", "post", CHAT, chat(messages=[]), 400, "invalid_parameter"),
+    ("unknown role", "post", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "invalid_parameter"),
+    ("too many messages", "post", CHAT, chat(messages=MSG * 4097), 400, "invalid_parameter"),
+    ("negative max_tokens", "post", CHAT, chat(max_tokens=-1), 400, "invalid_parameter"),
+    ("zero max_tokens", "post", CHAT, chat(max_tokens=0), 400, "invalid_parameter"),
+    ("huge max_tokens", "post", CHAT, chat(max_tokens=10**12), 400, "invalid_parameter"),
+    ("max_tokens as text", "post", CHAT, chat(max_tokens="many"), 400, "invalid_parameter"),
+    ("temperature < 0", "post", CHAT, chat(temperature=-0.5), 400, "invalid_parameter"),
+    (
+        "temperature NaN",
+        "post",
+        CHAT,
+        b'{"model": "tiny", "messages": [], "temperature": NaN}',
+        400,
+        "invalid_parameter",
+    ),
+    ("top_p = 0", "post", CHAT, chat(top_p=0), 400, "invalid_parameter"),
+    ("top_p > 1", "post", CHAT, chat(top_p=1.5), 400, "invalid_parameter"),
+    ("huge n", "post", CHAT, chat(n=1000000), 400, "unsupported_parameter"),
+    ("oversized stop list", "post", CHAT, chat(stop=["x"] * 17), 400, "invalid_parameter"),
+    ("oversized stop string", "post", CHAT, chat(stop="x" * 257), 400, "invalid_parameter"),
+    ("oversized logit_bias", "post", CHAT, chat(logit_bias={str(i): 1 for i in range(1025)}), 400, "invalid_parameter"),
+    ("logit_bias out of range", "post", CHAT, chat(logit_bias={"1": 101}), 400, "invalid_parameter"),
+    ("seed too large", "post", CHAT, chat(seed=2**64), 400, "invalid_parameter"),
+    ("bad session id characters", "post", CHAT, chat(session_id="../etc/passwd"), 400, "invalid_parameter"),
+    ("session id too long", "post", CHAT, chat(session_id="a" * 129), 400, "invalid_parameter"),
+    ("unsupported tools", "post", CHAT, chat(tools=[{"type": "function"}]), 400, "unsupported_parameter"),
+    ("unknown field", "post", CHAT, chat(frobnicate=True), 400, "unsupported_parameter"),
+    ("prompt too long", "post", COMPLETIONS, {"model": "tiny", "prompt": [5] * 4097}, 400, "context_length_exceeded"),
+    ("token id out of vocabulary", "post", COMPLETIONS, {"model": "tiny", "prompt": [10**6]}, 400, "invalid_parameter"),
+    ("batched prompts", "post", COMPLETIONS, {"model": "tiny", "prompt": ["a", "b"]}, 400, "unsupported_parameter"),
+    ("responses: empty input", "post", RESPONSES, {"model": "tiny", "input": []}, 400, "invalid_parameter"),
+    (
+        "responses: bad previous id",
+        "post",
+        RESPONSES,
+        {"model": "tiny", "input": "x", "previous_response_id": "r1"},
+        400,
+        "invalid_parameter",
+    ),
+    (
+        "responses: unknown previous id",
+        "post",
+        RESPONSES,
+        {"model": "tiny", "input": "x", "previous_response_id": "resp_" + "0" * 32},
+        404,
+        "response_not_found",
+    ),
+    ("sessions: negative ttl", "post", SESSIONS, {"ttl_s": -1}, 400, "invalid_parameter"),
+    ("sessions: rewind of unknown", "post", SESSIONS + "/nope/rewind", {"turn": 0}, 404, "session_not_found"),
+    ("sessions: bad id in path", "get", SESSIONS + "/bad%20id", None, 400, "invalid_parameter"),
+    ("unknown route", "get", "/v1/nothing", None, 404, "not_found"),
+    ("wrong method", "delete", CHAT, None, 405, "method_not_allowed"),
+    (
+        "body over the size limit",
+        "post",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "x" * 300_000}]),
+        413,
+        "request_too_large",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_spec):
+    settings = Settings(api_keys=f"{ALICE}:alice,{BOB}:bob", default_max_tokens=4, max_request_bytes=256 * 1024)
+    with serve_live([tiny_spec], settings) as served:
+        yield served
+
+
+def send(base: str, method: str, path: str, body, key: str = ALICE) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
+    content = body if isinstance(body, bytes) else (None if body is None else json.dumps(body).encode())
+    return httpx.request(method, base + path, content=content, headers=headers, timeout=30)
+
+
+def check_envelope(r: httpx.Response, status: int, code: str) -> None:
+    assert r.status_code == status, r.text[:300]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, err
+    assert len(err["message"]) <= 512  # never an echo of a huge input
+
+
+@pytest.mark.parametrize(("name", "method", "path", "body", "status", "code"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input(server, name, method, path, body, status, code):
+    check_envelope(send(server[0], method, path, body), status, code)
+
+
+def test_bad_input_no_or_wrong_key(server):
+    check_envelope(send(server[0], "post", CHAT, chat(), key="sk-nobody-000"), 401, "invalid_api_key")
+
+
+def test_bad_input_foreign_session(server):
+    base = server[0]
+    sid = send(base, "post", SESSIONS, {}).json()["id"]
+    check_envelope(send(base, "get", f"{SESSIONS}/{sid}", None, key=BOB), 404, "session_not_found")
+    check_envelope(send(base, "delete", f"{SESSIONS}/{sid}", None, key=BOB), 404, "session_not_found")
+    check_envelope(send(base, "post", f"{SESSIONS}/{sid}/rewind", {"turn": 0}, key=BOB), 404, "session_not_found")
+    # On a generation endpoint the id names a session in the caller's own namespace: Bob gets one of his own.
+    assert send(base, "post", CHAT, chat(session_id=sid), key=BOB).status_code == 200
+    assert send(base, "get", f"{SESSIONS}/{sid}", None, key=BOB).json()["turns"] == 1
+    assert send(base, "get", f"{SESSIONS}/{sid}", None).json()["turns"] == 0  # Alice's is untouched
+
+
+def test_bad_input_same_session_twice_at_once(server):
+    base, engine = server
+    long = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "session_id": "twice"}
+    first = threading.Thread(target=send, args=(base, "post", COMPLETIONS, long))
+    first.start()
+    wait_until(lambda: engine.num_active > 0, what="the first request to start")
+    check_envelope(send(base, "post", COMPLETIONS, {**long, "max_tokens": 2}), 409, "session_busy")
+    first.join(60)

@@ -1,0 +1,144 @@
+"""Every row of the error table this server can produce so far, in the OpenAI envelope."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from server.settings import Settings
+from tests.http.conftest import wait_ready
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "Hello"}]
+
+
+def assert_error(r, status: int, code: str, param: str | None = "__any__") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code and len(err["message"]) <= 512
+    if param != "__any__":
+        assert err["param"] == param
+    return err
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"model": "tiny", "messages": MSG, "temperature": -1}, "invalid_parameter", "temperature"),
+        ({"model": "tiny", "messages": MSG, "top_p": 0}, "invalid_parameter", "top_p"),
+        ({"model": "tiny", "messages": MSG, "max_tokens": 0}, "invalid_parameter", "max_tokens"),
+        ({"model": "tiny", "messages": MSG, "max_tokens": "many"}, "invalid_parameter", "max_tokens"),
+        ({"model": "tiny", "messages": []}, "invalid_parameter", "messages"),
+        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "invalid_parameter", "messages.0.role"),
+        ({"model": "tiny"}, "invalid_parameter", "messages"),
+        ({"model": "tiny", "messages": MSG, "tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),
+        (
+            {"model": "tiny", "messages": MSG, "response_format": {"type": "json_object"}},
+            "unsupported_parameter",
+            "response_format",
+        ),
+        ({"model": "tiny", "messages": MSG, "n": 2}, "unsupported_parameter", "n"),
+        ({"model": "tiny", "messages": MSG, "frobnicate": 1}, "unsupported_parameter", "frobnicate"),
+        ({"model": "tiny", "messages": MSG, "session_id": "bad id!"}, "invalid_parameter", "session_id"),
+        ({"model": "tiny", "messages": MSG, "stop": ["x"] * 17}, "invalid_parameter", "stop"),
+        ({"model": "tiny", "messages": MSG, "logit_bias": {"99999": 1}}, "invalid_parameter", "logit_bias"),
+        ({"model": "tiny", "messages": MSG, "top_logprobs": 2}, "invalid_parameter", None),
+        ({"model": "tiny", "messages": MSG, "seed": 2**64}, "invalid_parameter", "seed"),
+        ({"model": "tiny", "messages": MSG, "logit_bias": {"--5": 1}}, "invalid_parameter", "logit_bias"),
+        ({"model": "tiny", "messages": MSG, "logit_bias": {"\u00b2": 1}}, "invalid_parameter", "logit_bias"),
+    ],
+)
+def test_invalid_chat_requests_are_400_never_422(client, body, code, param):
+    assert_error(client.post(CHAT, json=body), 400, code, param)
+
+
+def test_completion_unsupported_fields(client):
+    for field, value in (("echo", True), ("suffix", "x"), ("best_of", 3), ("prompt", ["a", "b"])):
+        body = {"model": "tiny", "prompt": "hi", field: value}
+        assert_error(client.post("/v1/completions", json=body), 400, "unsupported_parameter", field)
+
+
+def test_malformed_json(client):
+    r = client.post(CHAT, content=b'{"model": "tiny", "messages": [', headers={"content-type": "application/json"})
+    assert_error(r, 400, "invalid_json")
+
+
+def test_unknown_model_is_404(client):
+    assert_error(client.post(CHAT, json={"model": "nope", "messages": MSG}), 404, "model_not_found", "model")
+
+
+def test_context_length_exceeded(client, tiny):
+    long_prompt = "Hello world " * 3000  # > 4096 tokens
+    assert_error(
+        client.post("/v1/completions", json={"model": "tiny", "prompt": long_prompt}), 400, "context_length_exceeded"
+    )
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 5000}
+    assert_error(client.post("/v1/completions", json=body), 400, "context_length_exceeded", "max_tokens")
+
+
+def test_session_header_mismatch_and_bad_header_are_400(client):
+    r = client.post(CHAT, json={"model": "tiny", "messages": MSG, "session_id": "a"}, headers={"X-Session-ID": "b"})
+    assert_error(r, 400, "invalid_parameter", "session_id")
+    r = client.post(CHAT, json={"model": "tiny", "messages": MSG}, headers={"X-Session-ID": "x" * 129})
+    assert_error(r, 400, "invalid_parameter", "session_id")
+
+
+def test_session_model_mismatch(client):
+    client.post(CHAT, json={"model": "tiny", "messages": MSG, "max_tokens": 1, "session_id": "mm"})
+    r = client.post(CHAT, json={"model": "tiny-twin", "messages": MSG, "max_tokens": 1, "session_id": "mm"})
+    assert_error(r, 400, "session_model_mismatch")
+
+
+def test_unknown_session_routes_are_404(client):
+    assert_error(client.get("/v1/sessions/never"), 404, "session_not_found")
+    assert_error(client.delete("/v1/sessions/never"), 404, "session_not_found")
+    assert_error(client.get("/v1/sessions/bad%20id"), 400, "invalid_parameter")
+
+
+def test_unknown_route_is_enveloped(client):
+    assert_error(client.get("/v1/nothing"), 404, "not_found")
+
+
+def test_request_timeout_is_504(tiny_spec):
+    app = create_app(Settings(request_timeout_s=0.05), specs=[tiny_spec])
+    with TestClient(app) as c:
+        wait_ready(c)
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "session_id": "slow"}
+        assert_error(c.post("/v1/completions", json=body), 504, "request_timeout")
+        assert c.get("/v1/sessions/slow").json()["turns"] == 0  # the session keeps only complete turns
+
+
+def test_failed_model_makes_ready_say_why_and_generation_503(tiny_spec, tmp_path):
+    broken = dataclasses.replace(tiny_spec, id="broken", source=str(tmp_path / "missing"))
+    app = create_app(Settings(), specs=[broken])
+    with TestClient(app) as c:
+        c.app.state.host.wait_loaded(30)
+        err = assert_error(c.get("/ready"), 503, "not_ready")
+        assert "broken" in err["message"] and "missing" in err["message"]
+        assert_error(c.post(CHAT, json={"model": "broken", "messages": MSG}), 503, "not_ready")
+
+
+def test_ready_is_503_while_a_model_loads(tiny_spec, monkeypatch):
+    import threading
+
+    import server.hosting
+
+    release = threading.Event()
+    real_load = server.hosting.load_model
+
+    def slow_load(spec, cache_dir):
+        release.wait(30)
+        return real_load(spec, cache_dir)
+
+    monkeypatch.setattr(server.hosting, "load_model", slow_load)
+    with TestClient(create_app(Settings(), specs=[tiny_spec])) as c:
+        err = assert_error(c.get("/ready"), 503, "not_ready")
+        assert "tiny is loading" in err["message"]
+        assert_error(c.post(CHAT, json={"model": "tiny", "messages": MSG}), 503, "not_ready")
+        assert c.get("/health").status_code == 200
+        release.set()
+        wait_ready(c)

@@ -1,0 +1,170 @@
+"""/v1/responses: stored responses as nodes of a session tree, exact continuation, stream events, the openai client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from server.sessions.record import SessionKey
+from tests.helpers import reference_greedy, wait_until
+
+RESPONSES = "/v1/responses"
+
+
+def create(client, **body):
+    r = client.post(RESPONSES, json={"model": "tiny", "temperature": 0, "max_output_tokens": 6, **body})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def output_text(body: dict) -> str:
+    return "".join(part["text"] for item in body["output"] for part in item["content"])
+
+
+def test_create_get_and_continue_from_the_stored_node(client, tiny):
+    first = create(client, input="Hello world", instructions="Be brief.").json()
+    assert first["object"] == "response" and first["status"] in ("completed", "incomplete")
+    assert first["output"][0]["role"] == "assistant" and first["instructions"] == "Be brief."
+    assert client.get(f"{RESPONSES}/{first['id']}").json() == first
+    store = client.app.state.host.store
+    transcript = store.transcript(SessionKey("default", first["id"], "response"))
+    assert len(transcript) == first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    r = create(client, input="Paris is", previous_response_id=first["id"], instructions="Be brief.")
+    second = r.json()
+    cached = second["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached == len(transcript) - 1 and r.headers["X-Cache"] == "partial"  # all of the parent's K/V reused
+    prompt = store.transcript(SessionKey("default", second["id"], "response"))[: second["usage"]["input_tokens"]]
+    assert prompt[: len(transcript)] == transcript  # token-exact: the parent's ids, then the new input's
+    expected = reference_greedy(tiny.model, prompt, second["usage"]["output_tokens"])
+    assert output_text(second) == tiny.tokenizer.decode(expected, skip_special_tokens=True)
+    assert second["previous_response_id"] == first["id"]
+
+
+def test_a_retry_branches_from_the_same_parent(client):
+    parent = create(client, input="Hello world").json()
+    store = client.app.state.host.store
+    before = store.transcript(SessionKey("default", parent["id"], "response"))
+    a = create(client, input="Paris is", previous_response_id=parent["id"]).json()
+    b = create(client, input="Paris is", previous_response_id=parent["id"]).json()
+    assert a["id"] != b["id"] and output_text(a) == output_text(b)
+    assert a["usage"]["input_tokens"] == b["usage"]["input_tokens"]  # the same prompt: nothing appended twice
+    assert b["usage"]["input_tokens_details"]["cached_tokens"] == b["usage"]["input_tokens"] - 1  # a's blocks
+    assert store.transcript(SessionKey("default", parent["id"], "response")) == before  # the parent never changes
+
+
+def test_store_false_is_not_kept_and_unknown_parents_are_404(client):
+    r = create(client, input="Hello", store=False).json()
+    assert client.get(f"{RESPONSES}/{r['id']}").status_code == 404
+    missing = client.post(RESPONSES, json={"model": "tiny", "input": "x", "previous_response_id": r["id"]})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
+    assert client.get(f"{RESPONSES}/resp_nope").status_code == 400  # not even a response id
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"tools": [{"type": "web_search"}]}, "tools"), ({"background": True}, "background"), ({"n": 2}, "n")],
+)
+def test_unimplemented_fields_are_400s_naming_them(client, extra, param):
+    r = client.post(RESPONSES, json={"model": "tiny", "input": "x", **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_delete_and_retention(client):
+    r = create(client, input="Hello").json()
+    assert client.delete(f"{RESPONSES}/{r['id']}").json()["deleted"] is True
+    assert client.get(f"{RESPONSES}/{r['id']}").status_code == 404
+    store = client.app.state.host.store
+    old = create(client, input="Hello again").json()
+    store._sessions[SessionKey("default", old["id"], "response")].ttl_s = 0.05  # as if retention were 50 ms
+    wait_until(lambda: client.get(f"{RESPONSES}/{old['id']}").status_code == 404, what="the response to expire")
+
+
+def sse(response) -> list[tuple[str, dict]]:
+    events = []
+    for block in response.read().decode().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n") if line and not line.startswith(":"))
+        if lines:
+            events.append((lines["event"], json.loads(lines["data"])))
+    return events
+
+
+def test_stream_sends_the_full_event_sequence(client):
+    parent = create(client, input="Hello world").json()
+    body = {
+        "model": "tiny",
+        "input": "Paris",
+        "stream": True,
+        "max_output_tokens": 5,
+        "previous_response_id": parent["id"],
+    }
+    with client.stream("POST", RESPONSES, json=body) as r:
+        assert r.headers["X-Cache"] == "partial"
+        events = sse(r)
+    kinds = [kind for kind, _ in events]
+    deltas = [data for kind, data in events if kind == "response.output_text.delta"]
+    final = kinds[-1]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * len(deltas),
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        final,
+    ]
+    assert final in ("response.completed", "response.incomplete")
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert all(kind == data["type"] for kind, data in events)
+    done = events[-1][1]["response"]
+    assert output_text(done) == "".join(d["delta"] for d in deltas)
+    assert done["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    assert client.get(f"{RESPONSES}/{done['id']}").json()["output"] == done["output"]
+
+
+def test_official_client_create_and_stream(live):
+    base, _engine = live
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    first = client.responses.create(model="tiny", input="Hello world", max_output_tokens=6, temperature=0)
+    assert first.output_text and first.usage.input_tokens > 0
+    again = client.responses.create(
+        model="tiny", input="Paris is", previous_response_id=first.id, max_output_tokens=6, temperature=0
+    )
+    assert again.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    assert client.responses.retrieve(again.id).output_text == again.output_text
+    seen, text = [], ""
+    with client.responses.stream(
+        model="tiny", input="More", previous_response_id=again.id, max_output_tokens=40, temperature=0
+    ) as stream:
+        for event in stream:
+            seen.append(event.type)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+    assert seen[0] == "response.created" and seen[-1] in ("response.completed", "response.incomplete")
+    if seen[-1] == "response.completed":
+        assert stream.get_final_response().output_text == text
+    assert client.responses.retrieve(again.id).id == again.id
+
+
+def wait_idle(engine, timeout_s: float = 10) -> None:
+    wait_until(lambda: engine.num_active == 0, timeout_s, "generation to stop after the client left")
+
+
+def test_a_client_that_leaves_stops_its_response(live):
+    base, engine = live
+    body = {"model": "tiny", "input": "Paris is", "max_output_tokens": 3000, "temperature": 0}  # no early end
+    before = engine.counter.num_decode_tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + RESPONSES, json=body, timeout=0.3)
+    wait_idle(engine)
+    assert engine.counter.num_decode_tokens - before < 3000  # stopped, not run to its end
+    with httpx.stream("POST", base + RESPONSES, json=body | {"stream": True}, timeout=30) as r:
+        lines = r.iter_lines()
+        created = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+    wait_idle(engine)
+    # An abandoned response is not kept: nothing could continue from it.
+    assert httpx.get(f"{base}{RESPONSES}/{created['response']['id']}").status_code == 404

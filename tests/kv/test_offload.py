@@ -1,0 +1,157 @@
+"""Sessions leave the device pool for lower tiers before their blocks are reused, and come back exactly.
+
+On CPU the pool stands in for the device: the host tier (with a budget) and the disk tier
+run the same code as with CUDA, minus pinned memory and asynchronous copies. The engine
+decides at admission, by itself, whether a snapshot is worth reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from server.kv import offload
+from server.kv.tiers import TierStore
+from server.sessions.journal import Journal
+from server.sessions.record import SessionKey
+from server.sessions.store import SessionStore
+from tests.helpers import make_engine, reference_greedy, run
+
+BLOCK = 4
+TOKEN_BYTES = 2 * 2 * 2 * 16 * 8  # K+V x layers x kv_heads x head_dim x float64
+
+
+def engine_with_tiers(tiny, tmp_path, host_budget: int, num_blocks: int = 24):
+    tiers = TierStore(host_budget, 1 << 30, tmp_path / "kv")
+    return make_engine(tiny, tiers=tiers, budget_bytes=num_blocks * BLOCK * TOKEN_BYTES, block_size=BLOCK)
+
+
+def words(tiny, text: str) -> list[int]:
+    return tiny.tokenizer(text)["input_ids"]
+
+
+async def cached_in_pool(engine, ids: list[int]) -> int:
+    return await engine.query(lambda: engine.blocks.chain("default", ids)[1])
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+async def test_evicted_session_is_restored_from_a_lower_tier_exactly(tiny, tmp_path, tier):
+    engine = engine_with_tiers(tiny, tmp_path, host_budget=(1 << 30) if tier == "host" else 0)
+    tiers, key = engine.offloader.tiers, SessionKey("default", "a")
+    try:
+        prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
+        first = await run(engine, prompt, session="a", max_tokens=6, ignore_eos=True)
+        transcript = prompt + first.token_ids
+        assert await cached_in_pool(engine, transcript) == len(transcript) - 1
+        # Other sessions fill the pool: a's blocks are reused, but a's K/V went down a tier first.
+        for i, text in enumerate(
+            [
+                "Paris is the capital of France;",
+                "Berlin is the capital of Germany.",
+                "Numbers 0123456789 and symbols !?.",
+                "Hello world, hello kvserve.",
+            ]
+        ):
+            await run(engine, words(tiny, text * 2), session=f"other{i}", max_tokens=4, ignore_eos=True)
+        tiers.flush_pending()
+        assert engine.offloader.num_spilled >= 1
+        assert await cached_in_pool(engine, transcript) < len(transcript) - 1  # gone from the pool
+        usage = tiers.usage(key)
+        assert (usage.host_tokens if tier == "host" else usage.disk_tokens) == len(transcript) - 1
+        # The next turn restores from that tier instead of recomputing, and computes the same tokens.
+        turn2 = transcript + words(tiny, " Hello world")
+        before = engine.counter.num_prefill_tokens
+        second = await run(engine, turn2, session="a", max_tokens=5, ignore_eos=True)
+        assert second.admitted.source == tier and second.admitted.num_cached == len(transcript) - 1
+        assert second.usage.cached_tokens == len(transcript) - 1
+        assert engine.counter.num_prefill_tokens - before == len(turn2) - (len(transcript) - 1)
+        assert second.token_ids == reference_greedy(tiny.model, turn2, 5)
+    finally:
+        engine.stop()
+        tiers.close()
+
+
+async def test_shutdown_saves_every_session_in_the_pool(tiny, tmp_path):
+    engine = engine_with_tiers(tiny, tmp_path, host_budget=0, num_blocks=64)
+    try:
+        for name in ("s1", "s2"):
+            await run(engine, words(tiny, f"Hello {name}, the quick brown fox."), session=name, max_tokens=3)
+    finally:
+        engine.stop()
+    tiers = engine.offloader.tiers
+    assert engine.save_sessions() == 2
+    tiers.flush()
+    assert sorted(p.name for p in (tmp_path / "kv").rglob("*.safetensors")) == [
+        "session-s1.safetensors",
+        "session-s2.safetensors",
+    ]
+    assert engine.save_sessions() == 0  # already covered: nothing is written twice
+    tiers.close()
+
+
+async def test_a_snapshot_is_used_only_when_it_holds_more_than_the_pool(tiny, tmp_path):
+    engine = engine_with_tiers(tiny, tmp_path, host_budget=1 << 30)
+    tiers = engine.offloader.tiers
+    try:
+        prompt = words(tiny, "The quick brown fox jumps over the lazy dog.")
+        first = await run(engine, prompt, session="a", max_tokens=4, ignore_eos=True)
+        transcript = prompt + first.token_ids
+        snapshot = await engine.query(lambda: engine.offloader.gather(SessionKey("default", "a"), transcript))
+        tiers.put(snapshot)  # a copy down a tier, while the pool still holds everything
+        second = await run(engine, transcript + words(tiny, " Hello"), session="a", max_tokens=2)
+        assert second.admitted.source == "device"  # the pool already had it all: nothing was read
+    finally:
+        engine.stop()
+        tiers.close()
+
+
+async def test_a_failed_restore_falls_back_to_computing(tiny, tmp_path, monkeypatch):
+    source = engine_with_tiers(tiny, tmp_path, host_budget=1 << 30)
+    try:
+        prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
+        first = await run(source, prompt, session="a", max_tokens=4, ignore_eos=True)
+        transcript = prompt + first.token_ids
+        snapshot = await source.query(lambda: source.offloader.gather(SessionKey("default", "a"), transcript))
+    finally:
+        source.stop()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(offload, "restore", out_of_memory)
+    fresh = engine_with_tiers(tiny, tmp_path / "other", host_budget=1 << 30)  # an empty pool
+    fresh.offloader.tiers.put(snapshot)
+    try:
+        turn2 = transcript + words(tiny, " Hello")
+        second = await run(fresh, turn2, session="a", max_tokens=4, ignore_eos=True)
+        assert second.error is None and second.usage.cached_tokens == 0  # recomputed, not failed
+        assert second.token_ids == reference_greedy(tiny.model, turn2, 4)
+        assert await fresh.query(lambda: (fresh.blocks.num_used, fresh.blocks.num_reserved)) == (0, 0)  # no leak
+    finally:
+        fresh.stop()
+        fresh.offloader.tiers.close()
+
+
+async def test_a_turn_that_cannot_be_journaled_fails_alone(tiny, tmp_path):
+    class FullDisk(Journal):
+        def save(self, key, record):
+            if key.name == "full":
+                raise OSError(28, "No space left on device")
+            super().save(key, record)
+
+    store = SessionStore(ttl_s=3600, journal=FullDisk(tmp_path))
+    engine = make_engine(tiny, store=store, budget_bytes=64 * BLOCK * TOKEN_BYTES, block_size=BLOCK)
+    try:
+        prompt = words(tiny, "Hello world")
+        results = await asyncio.gather(
+            run(engine, prompt, session="full", rid="a", max_tokens=3),
+            run(engine, prompt, session="fine", rid="b", max_tokens=3),
+        )
+        assert results[0].error.code == "internal_error" and results[1].error is None
+        assert store.info(SessionKey("default", "full")).num_turns == 0  # as before the turn
+        assert not store.info(SessionKey("default", "full")).is_in_use
+        assert store.info(SessionKey("default", "fine")).num_turns == 1
+    finally:
+        engine.stop()
