@@ -38,6 +38,7 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/hadolint Dockerfile
 
 format: install

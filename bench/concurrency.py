@@ -25,8 +25,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, event_text, machine_line, replace_section, spawn_server, sse_event  # noqa: E402
-from multiturn import system_prompt  # noqa: E402
+import itertools
+
+from common import ROOT, event_text, machine_line, replace_section, spawn_server, sse_event
+from multiturn import system_prompt
 
 NO_CACHE = {"cache_prompt": False}
 
@@ -45,7 +47,7 @@ async def stream(client: httpx.AsyncClient, path: str, body: dict, headers=None)
             if piece:
                 stamps.append(time.perf_counter())
                 text += piece
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
     decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else float("nan")
     return {
         "ttft_s": stamps[0] - start if stamps else float("nan"),

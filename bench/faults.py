@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, event_text, machine_line, replace_section, spawn_server, sse_event  # noqa: E402
+from common import ROOT, event_text, machine_line, replace_section, spawn_server, sse_event
 
 MODEL = "smollm2-135m-instruct"
 
@@ -55,7 +55,7 @@ async def client_loop(base: str, sid: str, state: dict) -> None:
             reply = await turn(client, sid, messages)
             if reply is None:
                 return  # the server went away mid-turn
-            state["messages"] = messages + [{"role": "assistant", "content": reply}]
+            state["messages"] = [*messages, {"role": "assistant", "content": reply}]
             state["done"] += 1
 
 

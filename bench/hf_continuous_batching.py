@@ -39,7 +39,7 @@ async def time_kvserve(engine, inputs, new: int) -> float:
     async def one(i, ids):
         params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
         handle = engine.submit(GenerationRequest(f"r{i}", ids, params, use_cache=False))
-        return [e async for e in handle if isinstance(e, Finished)][0]
+        return next(e async for e in handle if isinstance(e, Finished))
 
     start = time.perf_counter()
     done = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(inputs)))

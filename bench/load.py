@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, event_text, machine_line, replace_section, spawn_server, sse_event  # noqa: E402
+from common import ROOT, event_text, machine_line, replace_section, spawn_server, sse_event
 
 MODEL = "smollm2-135m-instruct"
 QUESTIONS = ["Name a river.", "Name a mountain.", "Say hello.", "Count to three.", "Name a color.", "Name a city."]

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import event_text, hf_decode_rate, render_report, spawn_server, sse_event  # noqa: E402
+from common import event_text, hf_decode_rate, render_report, spawn_server, sse_event
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["rivers", "mountains", "deserts", "forests", "oceans", "islands", "glaciers", "volcanoes"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine_line, replace_section, spawn_server  # noqa: E402
+from common import ROOT, machine_line, replace_section, spawn_server
 
 QUESTIONS = ["Name a river.", "Why is it long?", "Which sea does it reach?", "Say it again in one word."]
 
@@ -63,7 +63,7 @@ def one_restart(sig: signal.Signals, args) -> dict:
             for sid, messages in conversations.items():
                 if listed.get(sid, {}).get("turns") == args.turns:
                     intact += 1
-                r = chat(base, sid, messages + [{"role": "user", "content": "Thanks."}])
+                r = chat(base, sid, [*messages, {"role": "user", "content": "Thanks."}])
                 sources[r.headers["X-Cache-Source"]] += 1
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -33,7 +33,7 @@ from server.engine.types import Finished, GenerationRequest, SamplingParams, Ses
 from server.engine import offload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine_line, replace_section  # noqa: E402
+from common import ROOT, machine_line, replace_section
 
 KEY = SessionKey("default", "bench")
 TEXT = (
@@ -104,7 +104,8 @@ async def measure(loaded, args, state: Path) -> dict:
         fresh = new_engine(loaded, disk_only, len(turn2))
         start = time.perf_counter()
         snap = disk_only.fetch(KEY, fresh.model_id, fresh.fingerprint)
-        assert snap is not None and snap.origin == "disk"
+        assert snap is not None
+        assert snap.origin == "disk"
         times["disk"].append(time.perf_counter() - start + (await first_token_s(fresh, turn2, snap))[0])
         fresh.stop()
         disk_only.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -72,15 +73,15 @@ def cap_output_tokens(app: FastAPI, limit: int) -> None:
     """Show the server's max_tokens limit in the OpenAPI schema (clients and schema-driven tests see it)."""
     build = app.openapi
 
-    def openapi() -> dict:
+    def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = build()
+            schema = build()  # caches itself in app.openapi_schema
             for component in schema.get("components", {}).get("schemas", {}).values():
                 for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     field = component.get("properties", {}).get(name)
                     for option in (field or {}).get("anyOf", [field] if field else []):
                         if option.get("type") == "integer":
                             option["maximum"] = limit
-        return app.openapi_schema
+        return app.openapi_schema or {}
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema

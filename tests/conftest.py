@@ -9,8 +9,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ["KVSERVE_STATE_DIR"] = ""  # memory only, unless a test gives its app a directory of its own
 
-from server.models.loader import LoadedModel, ModelSpec, load_model  # noqa: E402
-from tests.tiny import save_tiny  # noqa: E402
+from server.models.loader import LoadedModel, ModelSpec, load_model
+from tests.tiny import save_tiny
 
 
 @pytest.fixture(scope="session")

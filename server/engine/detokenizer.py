@@ -8,11 +8,13 @@ never emitted.
 
 from __future__ import annotations
 
+from typing import Any
+
 REPLACEMENT = "\ufffd"
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None) -> None:
         self._tokenizer = tokenizer
         self._stop = [s for s in (stop or []) if s]
         self._ids: list[int] = []

@@ -51,7 +51,8 @@ class ModelRunner:
                 **{STEP_KWARG: meta},
             )
         self._count(rows)
-        return out.logits[0]
+        logits: torch.Tensor = out.logits[0]
+        return logits
 
     def _prepare(self, rows: list[Row]) -> tuple[StepMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed ids and positions, the slot mapping and one span per row (blocks are allocated)."""

@@ -12,7 +12,9 @@ from server.engine.request import SamplingParams, TokenLogprob
 class Sampler:
     """Holds one request's sampling state: its generator and the output-token counts for penalties."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device) -> None:
+    def __init__(
+        self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device | str
+    ) -> None:
         self.params = params
         self.device = device
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -88,7 +90,7 @@ def _truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> t
     return logits
 
 
-def _bias_tensor(logit_bias: dict[int, float], vocab_size: int, device) -> torch.Tensor | None:
+def _bias_tensor(logit_bias: dict[int, float], vocab_size: int, device: torch.device | str) -> torch.Tensor | None:
     if not logit_bias:
         return None
     bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)

@@ -37,7 +37,7 @@ class SeqSpan:
     ctx_slots: torch.Tensor | None  # [ctx_len] slot ids, or None when the context is one contiguous run
     first_slot: int  # when contiguous: the slot of position 0
     device: torch.device
-    _masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     def keys(self, window: int | None) -> tuple[int, int]:
         """The key positions [lo, ctx_len) a layer with this window can see from this span's queries."""
@@ -119,10 +119,21 @@ def paged_attention(
     return out.unsqueeze(0), None
 
 
-def _dense(module, query, key, value, attention_mask, scale, sliding_window, softcap, **kwargs):  # type: ignore[no-untyped-def]
+def _dense(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Without a step (HF generate): the mask transformers built already holds the causal and window rules."""
     if softcap is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale, **kwargs)
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale, **kwargs)
+        return out, None
     mask = attention_mask
     if mask is None:  # transformers skipped it as plainly causal
         mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(

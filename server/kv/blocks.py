@@ -77,12 +77,13 @@ class BlockManager:
     # -- lookup -----------------------------------------------------------------
     def match(self, salt: str, token_ids: list[int], max_tokens: int) -> Match:
         """The longest cached prefix of `token_ids`, at most `max_tokens` long."""
-        bs, parent, shared = self.block_size, self.root(salt), []
+        bs, parent = self.block_size, self.root(salt)
+        shared: list[Block] = []
         while len(shared) * bs + bs <= max_tokens:
             start = len(shared) * bs
             tokens = token_ids[start : start + bs]
             block = self._by_hash.get(chain_hash(parent, tokens))
-            if block is None or block.token_ids != tokens or block.parent_hash != parent:
+            if block is None or block.hash is None or block.token_ids != tokens or block.parent_hash != parent:
                 break  # a miss, or a hash collision: never serve K/V computed for other tokens
             shared.append(block)
             parent = block.hash

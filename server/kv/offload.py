@@ -33,7 +33,9 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def restore(pool: KVPool, manager: BlockManager, salt: str, shared: list[Block], snapshot: Snapshot, num_tokens: int):
+def restore(
+    pool: KVPool, manager: BlockManager, salt: str, shared: list[Block], snapshot: Snapshot, num_tokens: int
+) -> list[Block]:
     """Write the snapshot's tokens past `shared` (up to `num_tokens`) into new blocks from a reservation."""
     snapshot.wait()
     bs = manager.block_size
@@ -77,7 +79,7 @@ class Offloader:
         ready = None
         if self.pool.device.type == "cuda":
             k, v = [_to_host(t) for t in k], [_to_host(t) for t in v]
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()
         return Snapshot(key, self.model_id, self.fingerprint, list(token_ids[:num_tokens]), k, v, ready=ready)
 

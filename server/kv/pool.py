@@ -45,7 +45,7 @@ class KVLayout:
         params = list(model.parameters())
         for param in (params[0], params[len(params) // 2], params[-1]):
             sample = param.detach().reshape(-1)[:4096].to("cpu", torch.float32).contiguous()
-            digest.update(sample.view(torch.uint8).numpy().tobytes())
+            digest.update(sample.view(torch.uint8).numpy().data)
         return f"{text},weights={digest.hexdigest()[:16]}"
 
 

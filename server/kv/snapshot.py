@@ -66,7 +66,7 @@ class Snapshot:
 def _checksum(token_ids: torch.Tensor, tensors: list[torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for tensor in [token_ids, *tensors]:
-        digest.update(tensor.contiguous().view(torch.uint8).numpy())  # raw bytes, whatever the dtype
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().data)  # raw bytes, whatever the dtype
     return digest.hexdigest()
 
 
@@ -132,7 +132,7 @@ def load(path: Path, model_id: str, expected_fingerprint: str) -> Snapshot:
     return Snapshot(key, model_id, expected_fingerprint, ids.tolist(), k, v, origin="disk")
 
 
-def _check_format(header: dict) -> None:
+def _check_format(header: dict[str, str]) -> None:
     if header.get("format") != FORMAT:
         raise SnapshotError(f"not a {FORMAT} snapshot")
     if header.get("version") != VERSION:

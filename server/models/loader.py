@@ -122,7 +122,7 @@ def _package_file(ref: str) -> Path:
     found = importlib.util.find_spec(package)  # locate without importing it
     if found is None or not found.submodule_search_locations:
         raise FileNotFoundError(f"python package {package!r} is not installed (see README: make install)")
-    path = Path(list(found.submodule_search_locations)[0]) / filename
+    path = Path(next(iter(found.submodule_search_locations))) / filename
     if not path.exists():
         raise FileNotFoundError(f"{filename!r} not found in package {package!r}")
     return path
@@ -165,9 +165,10 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
 
 
 def _read_template(spec: ModelSpec) -> str:
-    if "{{" in spec.chat_template or "{%" in spec.chat_template:
-        return spec.chat_template  # a template, not a path (one may be longer than a file name may be)
-    return (Path(spec.base_dir) / spec.chat_template).read_text()
+    template = spec.chat_template or ""
+    if "{{" in template or "{%" in template:
+        return template  # a template, not a path (one may be longer than a file name may be)
+    return (Path(spec.base_dir) / template).read_text()
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -128,8 +128,8 @@ class CompletionRequest(SamplingFields):
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            return prompt[0]
-        return prompt
+            return prompt[0]  # type: ignore[return-value]  # a one-item batch: its only prompt
+        return prompt  # type: ignore[return-value]  # a string, or one list of token ids
 
 
 class TextPart(BaseModel):

@@ -86,8 +86,8 @@ class Sessions:
         (device,) = await self._residency([info], with_sharing=True)
         return self._body(info, device, with_sharing=True)
 
-    async def list(self, tenant: str, limit: int, after: str | None) -> dict[str, Any]:
-        infos = self.store.list(tenant)
+    async def list_page(self, tenant: str, limit: int, after: str | None) -> dict[str, Any]:
+        infos = self.store.of_tenant(tenant)
         if after is not None:
             names = [i.key.name for i in infos]
             infos = infos[names.index(after) + 1 :] if after in names else []

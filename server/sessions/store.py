@@ -153,7 +153,7 @@ class SessionStore:
             session = self._sessions.get(key)
             return None if session is None else SessionInfo.of(session)
 
-    def list(self, tenant: str, kind: str = "session") -> list[SessionInfo]:
+    def of_tenant(self, tenant: str, kind: str = "session") -> list[SessionInfo]:
         with self._lock:
             self._expire_locked()
             found = [s for s in self._sessions.values() if s.key.tenant == tenant and s.key.kind == kind]

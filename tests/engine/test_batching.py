@@ -31,7 +31,7 @@ def batching_engine(loaded, **overrides):
     return make_engine(loaded, **(config | overrides))
 
 
-@pytest.fixture()
+@pytest.fixture
 def engine(tiny32):
     eng = batching_engine(tiny32)
     yield eng
@@ -197,7 +197,7 @@ async def test_idle_cached_blocks_a_request_reuses_are_not_counted_as_free(tiny3
     await asyncio.to_thread(entered.wait, 30)
     # P shares the 4 cached blocks and needs 6 more (10 in all); 3 are free beyond R's reservation. Counting its
     # own pinned blocks as evictable (3 + 4 >= 6) would admit it, and the pool would run dry mid-stream.
-    shared = asyncio.create_task(run(eng, prefix + [5], rid="P", max_tokens=10 * BLOCK - len(prefix) - 1))
+    shared = asyncio.create_task(run(eng, [*prefix, 5], rid="P", max_tokens=10 * BLOCK - len(prefix) - 1))
     await asyncio.sleep(0)  # P is submitted
     gate.set()
     await held
@@ -228,7 +228,8 @@ async def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(engine, t
     results = await asyncio.gather(*(run(engine, prompt, rid=f"f{i}", max_tokens=8, ignore_eos=True) for i in range(3)))
     assert any(r.error is not None and r.error.code == "internal_error" for r in results)
     after = await run(engine, prompt, max_tokens=3, ignore_eos=True)
-    assert after.usage.completion_tokens == 3 and (await settled(engine)).num_blocks_used == 0
+    assert after.usage.completion_tokens == 3
+    assert (await settled(engine)).num_blocks_used == 0
 
 
 async def test_a_sampling_error_fails_only_its_request(engine, tiny32, monkeypatch):
@@ -245,7 +246,8 @@ async def test_a_sampling_error_fails_only_its_request(engine, tiny32, monkeypat
         run(engine, prompt, rid="bad", seed=666, max_tokens=5),
         run(engine, prompt, rid="good", max_tokens=5, ignore_eos=True),
     )
-    assert bad.error.code == "internal_error" and good.usage.completion_tokens == 5
+    assert bad.error.code == "internal_error"
+    assert good.usage.completion_tokens == 5
 
 
 async def test_out_of_memory_fails_the_step_and_the_engine_serves_on(engine, tiny32, monkeypatch):
@@ -259,11 +261,13 @@ async def test_out_of_memory_fails_the_step_and_the_engine_serves_on(engine, tin
     failed = await run(engine, ids(tiny32, "Paris is"), max_tokens=4)
     assert failed.error.code == "out_of_memory"  # 503 over HTTP
     reserved = await engine.query(lambda: engine.blocks.num_reserved)
-    assert (await settled(engine)).num_blocks_used == 0 and reserved == 0  # the failed step's blocks came back
+    assert (await settled(engine)).num_blocks_used == 0
+    assert reserved == 0  # the failed step's blocks came back
     monkeypatch.undo()
     again = await run(engine, prompt, max_tokens=3, ignore_eos=True)
     # The pool is allocated up front: the tenants' cache is kept (dropping it would free no memory).
-    assert again.error is None and again.usage.cached_tokens > 0
+    assert again.error is None
+    assert again.usage.cached_tokens > 0
 
 
 async def test_a_stream_left_unread_is_ended_without_stalling_the_batch(engine, tiny32):
@@ -273,6 +277,7 @@ async def test_a_stream_left_unread_is_ended_without_stalling_the_batch(engine, 
     assert other.usage.completion_tokens == 40
     await wait_until_async(lambda: engine.num_active == 0, what="the unread stream to be ended")
     events = [event async for event in unread]
-    assert isinstance(events[-1], Failed) and events[-1].code == "slow_reader"
+    assert isinstance(events[-1], Failed)
+    assert events[-1].code == "slow_reader"
     assert len(events) < 20  # ended soon after 8 unread events, not after 500 tokens
     assert (await settled(engine)).num_blocks_used == 0

@@ -53,4 +53,5 @@ def test_partial_stop_prefix_is_released_when_it_cannot_match(tokenizer):
 def test_earliest_of_several_stops_wins(tokenizer):
     ids = tokenizer("Hello world, hello kvserve.")["input_ids"]
     pieces, is_stopped = stream(tokenizer, ids, stop=["kvserve", "world"])
-    assert is_stopped and "".join(pieces) == "Hello "
+    assert is_stopped
+    assert "".join(pieces) == "Hello "

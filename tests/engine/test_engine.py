@@ -13,7 +13,7 @@ from server.sessions.record import SessionKey
 from tests.helpers import collect, make_engine, reference_greedy, request, run, settled, wait_until_async
 
 
-@pytest.fixture()
+@pytest.fixture
 def engine(tiny):
     eng = make_engine(tiny, block_size=4)
     yield eng
@@ -76,7 +76,8 @@ async def test_stateless_requests_keep_no_session(engine, tiny):
     prompt = ids(tiny, "Numbers and symbols")
     first = await run(engine, prompt, max_tokens=2)
     second = await run(engine, prompt, max_tokens=2)
-    assert first.usage.cached_tokens == 0 and second.usage.cached_tokens == len(prompt) - 1  # the tenant's prefix
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens == len(prompt) - 1  # the tenant's prefix
     assert engine.store.stats().num_sessions == 0
 
 
@@ -87,7 +88,9 @@ async def test_timeout_ends_request_and_keeps_the_transcript(engine, tiny):
     result = await collect(engine.submit(slow))
     assert result.error.code == "request_timeout"
     info = engine.store.info(SessionKey("default", "t"))
-    assert info.num_turns == 1 and info.num_transcript_tokens == len(prompt) + 2 and not info.is_in_use
+    assert info.num_turns == 1
+    assert info.num_transcript_tokens == len(prompt) + 2
+    assert not info.is_in_use
 
 
 async def test_cancel_stops_within_one_step(engine, tiny):
@@ -132,7 +135,8 @@ async def test_stop_token_ids_and_logprobs(engine, tiny):
     assert [lp.token_id for lp in full.logprobs] == full.token_ids
     assert all(len(lp.top) == 3 and lp.top[0][0] == lp.token_id for lp in full.logprobs)  # greedy = top-1
     cut = await run(engine, prompt, max_tokens=8, ignore_eos=True, stop_token_ids=[full.token_ids[3]])
-    assert cut.finish_reason == "stop" and cut.usage.completion_tokens == 4
+    assert cut.finish_reason == "stop"
+    assert cut.usage.completion_tokens == 4
 
 
 async def test_prefill_projects_only_the_last_position(engine, tiny):
@@ -160,9 +164,12 @@ async def test_a_failing_request_fails_alone(engine, tiny, monkeypatch):
         run(engine, prompt, session="f", rid="bad", seed=666, max_tokens=5),
         run(engine, prompt, rid="good", seed=1, max_tokens=5, ignore_eos=True),
     )
-    assert bad.error.code == "internal_error" and good.usage.completion_tokens == 5
+    assert bad.error.code == "internal_error"
+    assert good.usage.completion_tokens == 5
     info = engine.store.info(SessionKey("default", "f"))
-    assert info.num_turns == 0 and info.num_transcript_tokens == 0 and not info.is_in_use
+    assert info.num_turns == 0
+    assert info.num_transcript_tokens == 0
+    assert not info.is_in_use
     assert (await run(engine, prompt, session="f", max_tokens=2)).usage is not None  # the engine keeps serving
 
 
@@ -175,6 +182,8 @@ async def test_a_failure_while_finishing_does_not_stop_the_engine(engine, tiny, 
     first = await run(engine, prompt, session="fin", max_tokens=3, ignore_eos=True)
     assert first.error.code == "internal_error"  # the turn could not be recorded: the client hears so
     info = engine.store.info(SessionKey("default", "fin"))
-    assert info.num_turns == 0 and not info.is_in_use and (await settled(engine)).num_blocks_used == 0
+    assert info.num_turns == 0
+    assert not info.is_in_use
+    assert (await settled(engine)).num_blocks_used == 0
     monkeypatch.undo()
     assert (await run(engine, prompt, session="fin", max_tokens=2)).usage is not None

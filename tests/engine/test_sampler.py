@@ -77,6 +77,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
 def test_logprobs_are_of_the_raw_distribution():
     token, lp = sampler(temperature=0, num_logprobs=2, repetition_penalty=1.5).sample(LOGITS)
     expected = torch.log_softmax(LOGITS, -1)
-    assert token == RANK_TO_ID[0] and abs(lp.logprob - float(expected[token])) < 1e-6
+    assert token == RANK_TO_ID[0]
+    assert abs(lp.logprob - float(expected[token])) < 1e-6
     assert [t for t, _ in lp.top] == [RANK_TO_ID[0], RANK_TO_ID[1]]
     assert abs(lp.top[1][1] - float(expected[RANK_TO_ID[1]])) < 1e-6

@@ -36,7 +36,7 @@ def client(tiny_spec):
         yield c
 
 
-@pytest.fixture()
+@pytest.fixture
 def engine(client):
     return client.app.state.host.engines["tiny"]
 

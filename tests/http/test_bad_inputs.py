@@ -118,7 +118,8 @@ def send(base: str, method: str, path: str, body, key: str = ALICE) -> httpx.Res
 def check_envelope(r: httpx.Response, status: int, code: str) -> None:
     assert r.status_code == status, r.text[:300]
     err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, err
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == code, err
     assert len(err["message"]) <= 512  # never an echo of a huge input
 
 

@@ -76,6 +76,6 @@ def test_continuation_keeps_the_transcript_tokens_the_template_would_rewrite(rew
 def test_edited_history_falls_back_to_the_longest_common_prefix(rewriting):
     messages = [{"role": "user", "content": "Hello world"}]
     reply = turn(rewriting, "edited", messages, 4)["choices"][0]["message"]["content"]
-    edited = messages + [{"role": "assistant", "content": reply + " (edited)"}, {"role": "user", "content": "Hi"}]
+    edited = [*messages, {"role": "assistant", "content": reply + " (edited)"}, {"role": "user", "content": "Hi"}]
     body = turn(rewriting, "edited", edited, 4)
     assert 0 < body["usage"]["prompt_tokens_details"]["cached_tokens"] < body["usage"]["prompt_tokens"] - 10

@@ -19,7 +19,8 @@ def assert_error(r, status: int, code: str, param: str | None = "__any__") -> di
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == code and len(err["message"]) <= 512
+    assert err["code"] == code
+    assert len(err["message"]) <= 512
     if param != "__any__":
         assert err["param"] == param
     return err
@@ -118,7 +119,8 @@ def test_failed_model_makes_ready_say_why_and_generation_503(tiny_spec, tmp_path
     with TestClient(app) as c:
         c.app.state.host.wait_loaded(30)
         err = assert_error(c.get("/ready"), 503, "not_ready")
-        assert "broken" in err["message"] and "missing" in err["message"]
+        assert "broken" in err["message"]
+        assert "missing" in err["message"]
         assert_error(c.post(CHAT, json={"model": "broken", "messages": MSG}), 503, "not_ready")
 
 

@@ -20,7 +20,8 @@ def sse_events(response) -> list:
         lines = [ln for ln in block.split("\n") if not ln.startswith(":")]
         if not lines:
             continue
-        assert len(lines) == 1 and lines[0].startswith("data: "), block
+        assert len(lines) == 1, block
+        assert lines[0].startswith("data: "), block
         payload = lines[0][len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
@@ -30,7 +31,8 @@ def test_completion_json_shape(client):
     r = client.post(COMPLETIONS, json={"model": "tiny", "prompt": "Hello world", "max_tokens": 5, "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["object"] == "text_completion"
+    assert body["id"].startswith("cmpl-")
     choice = body["choices"][0]
     assert set(choice) == {"index", "text", "finish_reason", "logprobs"}
     assert body["usage"]["completion_tokens"] <= 5
@@ -63,8 +65,10 @@ def test_chat_stream_framing(client):
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(e["choices"][0]["finish_reason"] is None and "content" in e["choices"][0]["delta"] for e in middle)
-    assert finish["choices"][0]["finish_reason"] == "length" and finish["choices"][0]["delta"] == {}
-    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert finish["choices"][0]["delta"] == {}
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 6
     assert len({e["id"] for e in events[:-1]}) == 1
 
 
@@ -130,13 +134,15 @@ def test_chat_session_three_turns_and_edited_history(client, engine, tiny):
         cached.append(usage["prompt_tokens_details"]["cached_tokens"])
         messages.append({"role": "assistant", "content": content})
     assert cached[0] < cached[1] < cached[2]  # turn 1 may share a few template tokens with other conversations
-    edited = messages[:2] + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "Hi"}]
+    edited = [*messages[:2], {"role": "assistant", "content": "something else"}, {"role": "user", "content": "Hi"}]
     r = chat_turn(client, "chat3", edited)
     reused = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0 < reused < cached[2]  # the edited history falls back to its longest common prefix
     assert r.json()["choices"][0]["message"]["content"] == fresh_text(tiny, edited)
     info = client.get("/v1/sessions/chat3").json()
-    assert info["turns"] == 4 and info["cached_tokens"] > 0 and info["cache"]["device"]["bytes"] > 0
+    assert info["turns"] == 4
+    assert info["cached_tokens"] > 0
+    assert info["cache"]["device"]["bytes"] > 0
 
 
 def test_session_via_body_and_header_are_the_same(client):
@@ -170,7 +176,8 @@ def test_prompt_cache_key_bucket_records_turns_without_locking(client):
     r = chat_turn(client, None, messages, prompt_cache_key="bucket")
     assert "X-Session-ID" not in r.headers  # a bucket is not a session
     bucket = client.app.state.host.store.view(SessionKey("default", "bucket", kind="bucket"))
-    assert bucket.num_turns == 2 and bucket.messages == []  # both requests used it; it keeps no prompt text
+    assert bucket.num_turns == 2
+    assert bucket.messages == []  # both requests used it; it keeps no prompt text
     assert client.get("/v1/sessions/bucket").status_code == 404
 
 
@@ -179,7 +186,8 @@ def test_an_identical_retry_is_a_hit_and_recomputes_one_token(client, engine):
     first = client.post(COMPLETIONS, json=body)
     before = engine.counter.num_prefill_tokens
     again = client.post(COMPLETIONS, json=body)
-    assert first.headers["X-Cache"] == "miss" and again.headers["X-Cache"] == "hit"
+    assert first.headers["X-Cache"] == "miss"
+    assert again.headers["X-Cache"] == "hit"
     assert engine.counter.num_prefill_tokens - before == 1
     usage = again.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
@@ -189,7 +197,8 @@ def test_logprobs_shapes(client):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
     r = client.post(CHAT, json={**body, "logprobs": True, "top_logprobs": 2, "ignore_eos": True})
     content = r.json()["choices"][0]["logprobs"]["content"]
-    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert len(content) == 3
+    assert all(len(c["top_logprobs"]) == 2 for c in content)
     assert content[0]["token"] == content[0]["top_logprobs"][0]["token"]
     r = client.post(
         COMPLETIONS, json={"model": "tiny", "prompt": "Hi", "max_tokens": 3, "logprobs": 1, "ignore_eos": True}

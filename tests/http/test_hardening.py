@@ -54,9 +54,11 @@ def test_every_route_but_health_and_ready_needs_a_key(guarded, method, path):
     for headers in ({}, auth("sk-wrong-key-00"), *not_bearer):  # none, unknown, a valid key in another scheme
         r = getattr(guarded, method)(path, headers=headers)
         assert r.status_code == 401, (path, headers)
-        assert r.json()["error"]["type"] == "authentication_error" and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert r.json()["error"]["code"] == "invalid_api_key"
         assert r.headers["www-authenticate"] == "Bearer"
-    assert guarded.get("/health").status_code == 200 and guarded.get("/ready").status_code == 200
+    assert guarded.get("/health").status_code == 200
+    assert guarded.get("/ready").status_code == 200
 
 
 def test_a_bad_body_without_a_key_is_401_not_400(guarded):
@@ -66,13 +68,15 @@ def test_a_bad_body_without_a_key_is_401_not_400(guarded):
 
 def test_keys_are_compared_whole_and_name_their_tenant(tmp_path):
     keys = load_keys("sk-abcdefgh:one, sk-ijklmnop", None)
-    assert keys.tenant_for("sk-abcdefgh") == "one" and keys.tenant_for("sk-abcdefg") is None
+    assert keys.tenant_for("sk-abcdefgh") == "one"
+    assert keys.tenant_for("sk-abcdefg") is None
     assert keys.tenant_for("sk-ijklmnop") == "key-2"  # numbered, never derived from the key
-    for bad in ("short:x", "sk-abcdefgh:a,sk-abcdefgh:b", "sk-abc def gh:x"):
-        with pytest.raises(ValueError):
+    for bad, why in (("short:x", "8-512"), ("sk-abcdefgh:a,sk-abcdefgh:b", "twice"), ("sk-abc def gh:x", "8-512")):
+        with pytest.raises(ValueError, match=why):
             load_keys(bad, None)
     (empty := tmp_path / "keys").write_text("# nothing here yet\n")
-    with pytest.raises(ValueError):  # configured but empty: refuse to start rather than serve without auth
+    # configured but empty: refuse to start rather than serve without auth
+    with pytest.raises(ValueError, match="none was found"):
         load_keys(None, empty)
     (empty).write_text("sk-from-file-1:filed  # a comment\n")
     assert load_keys(None, empty).tenant_for("sk-from-file-1") == "filed"
@@ -100,7 +104,8 @@ def test_client_chosen_ids_and_the_prefix_cache_are_per_tenant(guarded):
     bob = chat(guarded, BOB, "same-name", prompt)  # same id, same prompt: nothing of alice's
     assert first.status_code == again.status_code == bob.status_code == 200
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert bob.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and bob.headers["X-Cache"] == "miss"
+    assert bob.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert bob.headers["X-Cache"] == "miss"
     assert guarded.get("/v1/sessions/same-name", headers=auth(BOB)).json()["turns"] == 1
 
 
@@ -117,12 +122,14 @@ def test_another_tenants_identical_transcript_is_never_counted_as_shared(guarded
 def test_body_size_and_max_tokens_limits(guarded):
     big = "x" * 5000
     r = chat(guarded, ALICE, None, big)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
     chunks = (part for part in [b'{"model": "tiny", "messages": [{"role": "user", "content": "', b"y" * 5000, b'"}]}'])
     r = guarded.post(CHAT, content=chunks, headers=auth(ALICE) | {"content-type": "application/json"})
     assert r.status_code == 413  # no Content-Length: counted while read
     r = chat(guarded, ALICE, None, max_tokens=65)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens"
     schema = guarded.get("/openapi.json", headers=auth(ALICE)).json()["components"]["schemas"]
     assert {"type": "integer", "minimum": 1, "maximum": 64} in schema["ChatCompletionRequest"]["properties"][
         "max_tokens"
@@ -136,21 +143,26 @@ def test_quotas_answer_429_quota_exceeded(tiny_spec):
         assert c.post("/v1/sessions", json={}).status_code == 201
         assert c.post("/v1/sessions", json={}).status_code == 201
         r = c.post("/v1/sessions", json={})
-        assert r.status_code == 429 and r.json()["error"]["code"] == "quota_exceeded" and "Retry-After" not in r.headers
+        assert r.status_code == 429
+        assert r.json()["error"]["code"] == "quota_exceeded"
+        assert "Retry-After" not in r.headers
         assert chat(c, "", "third").json()["error"]["code"] == "quota_exceeded"
         assert chat(c, "", None).status_code == 200  # stateless requests keep nothing: no quota
         sid = c.get("/v1/sessions").json()["data"][0]["id"]
         body = {"model": "tiny", "prompt": [5] * 250, "max_tokens": 2, "session_id": sid}  # 1 KiB/token: > 200 KiB
         r = c.post("/v1/completions", json=body)
-        assert r.status_code == 429 and "bytes of K/V" in r.json()["error"]["message"]
+        assert r.status_code == 429
+        assert "bytes of K/V" in r.json()["error"]["message"]
         r = c.post("/v1/responses", json={"model": "tiny", "input": "Hi"})  # stored responses count too
-        assert r.status_code == 429 and r.json()["error"]["code"] == "quota_exceeded"
+        assert r.status_code == 429
+        assert r.json()["error"]["code"] == "quota_exceeded"
         assert c.post("/v1/responses", json={"model": "tiny", "input": "Hi", "store": False}).status_code == 200
         store = c.app.state.host.store
         for i in range(4):  # cache buckets are hints: past the limit a request runs without one, never a 429
             assert chat(c, "", None, prompt_cache_key=f"bucket-{i}").status_code == 200
         buckets = store.session_keys("bucket")
-        assert len(buckets) == 2 and all(store.view(k).messages == [] for k in buckets)  # and keep no prompt text
+        assert len(buckets) == 2
+        assert all(store.view(k).messages == [] for k in buckets)  # and keep no prompt text
 
 
 def test_metrics_are_exposed_with_kvserve_names(guarded):
@@ -180,4 +192,6 @@ def test_logs_carry_ids_never_prompt_text(guarded, caplog):
     assert r.status_code == 200
     text = "\n".join(record.getMessage() for record in caplog.records)
     assert "SECRET-PROMPT-TEXT" not in text
-    assert r.headers["x-request-id"] in text and "session=logged" in text and "tenant=alice" in text
+    assert r.headers["x-request-id"] in text
+    assert "session=logged" in text
+    assert "tenant=alice" in text

@@ -36,7 +36,8 @@ def test_streaming_disconnect_stops_generation(live):
     stopped = settled_counter(engine)
     assert stopped - start < 4000 - 1  # it did not run to max_tokens
     info = httpx.get(base + "/v1/sessions/sd").json()
-    assert info["turns"] == 0 and info["in_use"] is False  # only complete turns count; the lock is released
+    assert info["turns"] == 0
+    assert info["in_use"] is False  # only complete turns count; the lock is released
 
 
 def test_non_streaming_disconnect_stops_generation(live):

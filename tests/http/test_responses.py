@@ -26,8 +26,10 @@ def output_text(body: dict) -> str:
 
 def test_create_get_and_continue_from_the_stored_node(client, tiny):
     first = create(client, input="Hello world", instructions="Be brief.").json()
-    assert first["object"] == "response" and first["status"] in ("completed", "incomplete")
-    assert first["output"][0]["role"] == "assistant" and first["instructions"] == "Be brief."
+    assert first["object"] == "response"
+    assert first["status"] in ("completed", "incomplete")
+    assert first["output"][0]["role"] == "assistant"
+    assert first["instructions"] == "Be brief."
     assert client.get(f"{RESPONSES}/{first['id']}").json() == first
     store = client.app.state.host.store
     transcript = store.transcript(SessionKey("default", first["id"], "response"))
@@ -35,7 +37,8 @@ def test_create_get_and_continue_from_the_stored_node(client, tiny):
     r = create(client, input="Paris is", previous_response_id=first["id"], instructions="Be brief.")
     second = r.json()
     cached = second["usage"]["input_tokens_details"]["cached_tokens"]
-    assert cached == len(transcript) - 1 and r.headers["X-Cache"] == "partial"  # all of the parent's K/V reused
+    assert cached == len(transcript) - 1
+    assert r.headers["X-Cache"] == "partial"  # all of the parent's K/V reused
     prompt = store.transcript(SessionKey("default", second["id"], "response"))[: second["usage"]["input_tokens"]]
     assert prompt[: len(transcript)] == transcript  # token-exact: the parent's ids, then the new input's
     expected = reference_greedy(tiny.model, prompt, second["usage"]["output_tokens"])
@@ -49,7 +52,8 @@ def test_a_retry_branches_from_the_same_parent(client):
     before = store.transcript(SessionKey("default", parent["id"], "response"))
     a = create(client, input="Paris is", previous_response_id=parent["id"]).json()
     b = create(client, input="Paris is", previous_response_id=parent["id"]).json()
-    assert a["id"] != b["id"] and output_text(a) == output_text(b)
+    assert a["id"] != b["id"]
+    assert output_text(a) == output_text(b)
     assert a["usage"]["input_tokens"] == b["usage"]["input_tokens"]  # the same prompt: nothing appended twice
     assert b["usage"]["input_tokens_details"]["cached_tokens"] == b["usage"]["input_tokens"] - 1  # a's blocks
     assert store.transcript(SessionKey("default", parent["id"], "response")) == before  # the parent never changes
@@ -59,7 +63,8 @@ def test_store_false_is_not_kept_and_unknown_parents_are_404(client):
     r = create(client, input="Hello", store=False).json()
     assert client.get(f"{RESPONSES}/{r['id']}").status_code == 404
     missing = client.post(RESPONSES, json={"model": "tiny", "input": "x", "previous_response_id": r["id"]})
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "response_not_found"
     assert client.get(f"{RESPONSES}/resp_nope").status_code == 400  # not even a response id
 
 
@@ -69,7 +74,8 @@ def test_store_false_is_not_kept_and_unknown_parents_are_404(client):
 )
 def test_unimplemented_fields_are_400s_naming_them(client, extra, param):
     r = client.post(RESPONSES, json={"model": "tiny", "input": "x", **extra})
-    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
 
 
 def test_delete_and_retention(client):
@@ -130,7 +136,8 @@ def test_official_client_create_and_stream(live):
     base, _engine = live
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     first = client.responses.create(model="tiny", input="Hello world", max_output_tokens=6, temperature=0)
-    assert first.output_text and first.usage.input_tokens > 0
+    assert first.output_text
+    assert first.usage.input_tokens > 0
     again = client.responses.create(
         model="tiny", input="Paris is", previous_response_id=first.id, max_output_tokens=6, temperature=0
     )
@@ -144,7 +151,8 @@ def test_official_client_create_and_stream(live):
             seen.append(event.type)
             if event.type == "response.output_text.delta":
                 text += event.delta
-    assert seen[0] == "response.created" and seen[-1] in ("response.completed", "response.incomplete")
+    assert seen[0] == "response.created"
+    assert seen[-1] in ("response.completed", "response.incomplete")
     if seen[-1] == "response.completed":
         assert stream.get_final_response().output_text == text
     assert client.responses.retrieve(again.id).id == again.id

@@ -42,13 +42,15 @@ def test_create_prefills_the_system_prompt_so_the_first_turn_is_warm(app_client,
     assert r.status_code == 201, r.text
     body = r.json()
     assert re.fullmatch(r"sess_[0-9a-f]{32}", body["id"])  # 128 random bits, made by the server
-    assert body["turns"] == 0 and body["system_tokens"] == body["transcript_tokens"] > 0
+    assert body["turns"] == 0
+    assert body["system_tokens"] == body["transcript_tokens"] > 0
     assert body["cache"]["device"]["tokens"] == body["system_tokens"]
     assert body["expires_at"] - body["last_used_at"] == pytest.approx(600, abs=1)
     first = chat(app_client, body["id"], [{"role": "user", "content": "Hello"}])
     usage = first.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == body["system_tokens"]
-    assert first.headers["X-Cache"] == "partial" and first.headers["X-Cache-Source"] == "device"
+    assert first.headers["X-Cache"] == "partial"
+    assert first.headers["X-Cache-Source"] == "device"
     # The session's system prompt applied without the client repeating it: the prompt is the prefilled ids + the turn.
     system_ids = store(app_client).view(SessionKey("default", body["id"])).transcript_ids[: body["system_tokens"]]
     turn = tiny.tokenizer("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
@@ -61,7 +63,9 @@ def test_list_describe_and_delete(app_client):
     ids = [app_client.post("/v1/sessions", json={}).json()["id"] for _ in range(3)]
     listed = app_client.get("/v1/sessions", params={"limit": 2}).json()
     all_ids = [s["id"] for s in app_client.get("/v1/sessions", params={"limit": 1000}).json()["data"]]
-    assert listed["object"] == "list" and len(listed["data"]) == 2 and listed["has_more"]
+    assert listed["object"] == "list"
+    assert len(listed["data"]) == 2
+    assert listed["has_more"]
     assert all_ids[-3:] == ids  # oldest first
     after = app_client.get("/v1/sessions", params={"after": ids[0], "limit": 1000}).json()
     assert [s["id"] for s in after["data"]][-2:] == ids[1:]
@@ -106,11 +110,14 @@ def test_fork_shares_blocks_with_the_parent_and_continues_exactly(app_client, ti
     r = app_client.post(f"/v1/sessions/{parent}/fork", json={"turn": 2})
     assert r.status_code == 201, r.text
     fork = r.json()
-    assert fork["parent"] == parent and fork["turns"] == 2 and fork["id"] != parent
-    assert fork["cache"]["device"]["shared_bytes"] > 0 and fork["cache"]["device"]["exclusive_bytes"] == 0
+    assert fork["parent"] == parent
+    assert fork["turns"] == 2
+    assert fork["id"] != parent
+    assert fork["cache"]["device"]["shared_bytes"] > 0
+    assert fork["cache"]["device"]["exclusive_bytes"] == 0
     assert app_client.get(f"/v1/sessions/{parent}").json()["cache"]["device"]["shared_bytes"] > 0
     view = store(app_client).view(SessionKey("default", fork["id"]))
-    new = messages[:4] + [{"role": "user", "content": "Berlin"}]
+    new = [*messages[:4], {"role": "user", "content": "Berlin"}]
     r = chat(app_client, fork["id"], new)
     usage = r.json()["usage"]
     # All of the fork's transcript (and the parent's next turn header, which is the same) from the parent's blocks.
@@ -126,9 +133,10 @@ def test_rewind_drops_later_turns(app_client):
     messages = three_turns(app_client, sid)
     before = app_client.get(f"/v1/sessions/{sid}").json()
     r = app_client.post(f"/v1/sessions/{sid}/rewind", json={"turn": 1})
-    assert r.status_code == 200 and r.json()["turns"] == 1
+    assert r.status_code == 200
+    assert r.json()["turns"] == 1
     assert r.json()["transcript_tokens"] < before["transcript_tokens"]
-    r = chat(app_client, sid, messages[:2] + [{"role": "user", "content": "Again"}])
+    r = chat(app_client, sid, [*messages[:2], {"role": "user", "content": "Again"}])
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert app_client.get(f"/v1/sessions/{sid}").json()["turns"] == 2
 
@@ -149,7 +157,8 @@ def test_rewind_drops_later_turns(app_client):
 def test_session_route_errors(app_client, path, body, status, code):
     sid = app_client.post("/v1/sessions", json={}).json()["id"]
     r = app_client.post(path.format(sid=sid), json=body)
-    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code, r.text
 
 
 def test_openapi_documents_the_session_routes_with_examples(app_client):

@@ -21,10 +21,14 @@ def fill(manager: BlockManager, salt: str, ids: list[int]) -> list:
 def test_full_blocks_shared_partial_copied_tenants_apart():
     manager = BlockManager(16, 4)
     owner = fill(manager, "t", list(range(10)))  # blocks [0-3] [4-7] [8,9]
-    match = manager.match("t", list(range(10)) + [99], 10)
-    assert match.shared == owner[:2] and match.partial is owner[2] and match.num_partial == 2
+    match = manager.match("t", [*list(range(10)), 99], 10)
+    assert match.shared == owner[:2]
+    assert match.partial is owner[2]
+    assert match.num_partial == 2
     edited = manager.match("t", [0, 1, 2, 3, 4, 5, 77, 78], 8)
-    assert edited.shared == owner[:1] and edited.partial is owner[1] and edited.num_partial == 2
+    assert edited.shared == owner[:1]
+    assert edited.partial is owner[1]
+    assert edited.num_partial == 2
     assert manager.match("other-tenant", list(range(10)), 10).num_tokens == 0
 
 
@@ -33,7 +37,9 @@ def test_release_tail_first_and_counters_return_to_zero():
     blocks = fill(manager, "t", [1, 2, 3, 4, 5, 6])
     assert manager.num_used == 3
     manager.release(blocks)
-    assert manager.num_used == 0 and manager.num_cached_idle == 3 and manager.num_reserved == 0
+    assert manager.num_used == 0
+    assert manager.num_cached_idle == 3
+    assert manager.num_reserved == 0
     manager.reserve(2)
     manager.allocate()  # the free block
     manager.allocate()  # evicts the least recently used: the tail block
@@ -46,7 +52,8 @@ def test_free_heap_stays_bounded_when_preferred_ids_are_reused():
         blocks = fill(manager, "t", list(range(8)))
         manager.release(blocks, keep_contents=False)
     assert len(manager._free_heap) <= 2 * manager.num_blocks + 1
-    assert manager.num_free == 8 and manager.num_reserved == 0
+    assert manager.num_free == 8
+    assert manager.num_reserved == 0
 
 
 def test_a_hash_collision_never_serves_other_tokens(monkeypatch):
@@ -54,7 +61,8 @@ def test_a_hash_collision_never_serves_other_tokens(monkeypatch):
     monkeypatch.setattr(bm, "chain_hash", lambda parent, ids: 42)  # every block collides
     fill(manager, "t", [1, 2])
     match = manager.match("t", [7, 8, 9], 2)
-    assert match.shared == [] and match.num_tokens == 0
+    assert match.shared == []
+    assert match.num_tokens == 0
 
 
 def test_a_shared_block_released_by_one_holder_stays_with_the_other():
@@ -67,7 +75,8 @@ def test_a_shared_block_released_by_one_holder_stays_with_the_other():
     assert [b.ref_count for b in second] == [2, 2]
     manager.release(second)  # one of them finishes
     assert [b.ref_count for b in second] == [1, 1]  # dropped by one, not to zero
-    assert manager.num_used == 2 and manager.num_cached_idle == 0  # still held, not evictable
+    assert manager.num_used == 2
+    assert manager.num_cached_idle == 0  # still held, not evictable
     manager.reserve(6)
     for _ in range(6):
         manager.allocate()  # takes every free block; the held prefix is never handed out
@@ -79,7 +88,8 @@ def test_idle_cached_blocks_a_request_pins_are_not_counted_as_free():
     prefix = fill(manager, "t", [1, 2, 3, 4, 5, 6, 7, 8])  # 4 blocks
     manager.release(prefix)  # idle and cached: evictable for anyone else
     manager.reserve(3)  # another sequence's promise: 10 - 4 - 3 = 3 free blocks left
-    assert manager.num_free == 6 and manager.num_cached_idle == 4
+    assert manager.num_free == 6
+    assert manager.num_cached_idle == 4
     assert manager.can_reserve(7, [])  # 6 free + 4 evictable - 3 promised
     assert not manager.can_reserve(4, prefix)  # it pins the 4 cached blocks: they cannot also make its room
     assert manager.can_reserve(3, prefix)

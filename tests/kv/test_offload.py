@@ -64,7 +64,8 @@ async def test_evicted_session_is_restored_from_a_lower_tier_exactly(tiny, tmp_p
         turn2 = transcript + words(tiny, " Hello world")
         before = engine.counter.num_prefill_tokens
         second = await run(engine, turn2, session="a", max_tokens=5, ignore_eos=True)
-        assert second.admitted.source == tier and second.admitted.num_cached == len(transcript) - 1
+        assert second.admitted.source == tier
+        assert second.admitted.num_cached == len(transcript) - 1
         assert second.usage.cached_tokens == len(transcript) - 1
         assert engine.counter.num_prefill_tokens - before == len(turn2) - (len(transcript) - 1)
         assert second.token_ids == reference_greedy(tiny.model, turn2, 5)
@@ -126,7 +127,8 @@ async def test_a_failed_restore_falls_back_to_computing(tiny, tmp_path, monkeypa
     try:
         turn2 = transcript + words(tiny, " Hello")
         second = await run(fresh, turn2, session="a", max_tokens=4, ignore_eos=True)
-        assert second.error is None and second.usage.cached_tokens == 0  # recomputed, not failed
+        assert second.error is None
+        assert second.usage.cached_tokens == 0  # recomputed, not failed
         assert second.token_ids == reference_greedy(tiny.model, turn2, 4)
         assert await fresh.query(lambda: (fresh.blocks.num_used, fresh.blocks.num_reserved)) == (0, 0)  # no leak
     finally:
@@ -149,7 +151,8 @@ async def test_a_turn_that_cannot_be_journaled_fails_alone(tiny, tmp_path):
             run(engine, prompt, session="full", rid="a", max_tokens=3),
             run(engine, prompt, session="fine", rid="b", max_tokens=3),
         )
-        assert results[0].error.code == "internal_error" and results[1].error is None
+        assert results[0].error.code == "internal_error"
+        assert results[1].error is None
         assert store.info(SessionKey("default", "full")).num_turns == 0  # as before the turn
         assert not store.info(SessionKey("default", "full")).is_in_use
         assert store.info(SessionKey("default", "fine")).num_turns == 1

@@ -29,7 +29,9 @@ def test_snapshot_round_trip_is_bit_exact(tmp_path):
     path = tmp_path / "a.safetensors"
     snap_io.save(snap, path)
     back = snap_io.load(path, "m", FP)
-    assert back.token_ids == snap.token_ids and back.key == snap.key and back.origin == "disk"
+    assert back.token_ids == snap.token_ids
+    assert back.key == snap.key
+    assert back.origin == "disk"
     assert all(torch.equal(x, y) for x, y in zip(back.k + back.v, snap.k + snap.v, strict=True))
     assert snap_io.read_header(path)[3] == 10
 
@@ -59,10 +61,14 @@ def test_host_overflow_moves_the_least_recent_to_disk_and_use_brings_it_back(tmp
         tiers.put(make(name))
     tiers.flush_pending()
     usage = {n: tiers.usage(SessionKey("t", n)) for n in "abc"}
-    assert usage["a"].host_bytes == 0 and usage["a"].disk_bytes > 0  # the oldest went down
-    assert usage["b"].host_bytes == one and usage["c"].host_bytes == one
+    assert usage["a"].host_bytes == 0
+    assert usage["a"].disk_bytes > 0  # the oldest went down
+    assert usage["b"].host_bytes == one
+    assert usage["c"].host_bytes == one
     back = tiers.fetch(SessionKey("t", "a"), "m", FP)
-    assert back is not None and back.origin == "disk" and back.token_ids == list(range(8))
+    assert back is not None
+    assert back.origin == "disk"
+    assert back.token_ids == list(range(8))
     tiers.flush_pending()
     assert tiers.usage(SessionKey("t", "a")).host_bytes == one  # used: back up in host RAM
     assert tiers.usage(SessionKey("t", "b")).host_bytes == 0  # and b, now the oldest, went down
@@ -76,7 +82,8 @@ def test_disk_budget_drops_oldest_files_and_drop_removes_everywhere(tmp_path):
     for name in ("a", "b", "c"):
         tiers.put(make(name))
         tiers.flush_pending()
-    assert tiers.peek_tokens(SessionKey("t", "a")) == 0 and tiers.peek_tokens(SessionKey("t", "c")) == 8
+    assert tiers.peek_tokens(SessionKey("t", "a")) == 0
+    assert tiers.peek_tokens(SessionKey("t", "c")) == 8
     assert len(list((tmp_path / "kv").rglob("*.safetensors"))) == 2
     tiers.drop(SessionKey("t", "c"))
     assert [p.name for p in (tmp_path / "kv").rglob("*.safetensors")] == ["session-b.safetensors"]
@@ -109,7 +116,8 @@ def test_a_corrupt_file_found_at_use_is_deleted_and_reported_missing(tmp_path, c
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
         assert tiers.fetch(SessionKey("t", "a"), "m", FP) is None
-    assert "checksum mismatch" in caplog.text and not path.exists()
+    assert "checksum mismatch" in caplog.text
+    assert not path.exists()
     assert tiers.fetch(SessionKey("t", "a"), "other", FP) is None  # gone: asking again is simply a miss
     tiers.close()
 
@@ -146,6 +154,6 @@ def test_a_copy_that_races_with_a_delete_is_not_kept(tmp_path):
 def test_no_file_name_for_ids_outside_the_pattern(tmp_path):
     tiers = TierStore(0, 1 << 30, tmp_path)
     for name in ("../x", "a/b", "\x00", "x" * 129):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="no file for"):
             tiers.path_for(SessionKey("t", name))
     tiers.close()

@@ -36,7 +36,8 @@ def test_cli_model_is_a_path_when_it_exists_else_a_hub_id(tiny_spec):
 def test_load_errors_name_model_and_cause(tmp_path, source, cause):
     with pytest.raises(ModelLoadError) as info:
         load_model(ModelSpec(id="broken-model", source=source, base_dir=str(tmp_path)), tmp_path)
-    assert "broken-model" in str(info.value) and cause in str(info.value)
+    assert "broken-model" in str(info.value)
+    assert cause in str(info.value)
 
 
 def test_chat_template_override(tiny_spec, tmp_path):

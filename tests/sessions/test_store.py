@@ -24,7 +24,7 @@ class Clock:
         return self.now
 
 
-@pytest.fixture()
+@pytest.fixture
 def store() -> SessionStore:
     return SessionStore(ttl_s=3600)
 
@@ -66,9 +66,12 @@ def test_a_completed_turn_is_applied_and_journaled(tmp_path):
     store = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
     complete(store, "j", [1, 2, 3])
     info = store.info(key("j"))
-    assert info.num_turns == 1 and info.num_transcript_tokens == 3 and not info.is_in_use
+    assert info.num_turns == 1
+    assert info.num_transcript_tokens == 3
+    assert not info.is_in_use  # as before the turn
     (record,) = Journal(tmp_path).load_all()
-    assert record["transcript_ids"] == [1, 2, 3] and record["turns"] == [[0, 0], [3, 0]]
+    assert record["transcript_ids"] == [1, 2, 3]
+    assert record["turns"] == [[0, 0], [3, 0]]
 
 
 def test_ttl_forgets_idle_sessions_and_their_files(tmp_path):
@@ -79,7 +82,8 @@ def test_ttl_forgets_idle_sessions_and_their_files(tmp_path):
     assert len(list(tmp_path.rglob("*.json"))) == 1
     clock.now = 11
     assert store.info(key("old")) is None
-    assert store.num_expired == 1 and list(tmp_path.rglob("*.json")) == []
+    assert store.num_expired == 1
+    assert list(tmp_path.rglob("*.json")) == []
     assert store.take_forgotten("m") == [(key("old"), [1, 2, 3])]  # its device K/V may go too
     tiers.close()
 
@@ -90,7 +94,8 @@ def test_a_session_in_use_is_never_expired_by_its_ttl():
     session = store.acquire(key("busy"), "m")
     clock.now = 1000  # far past its TTL, but a request is running on it
     store.expire()
-    assert store.info(key("busy")) is not None and store.num_expired == 0
+    assert store.info(key("busy")) is not None
+    assert store.num_expired == 0
     store.release(session, turn([1, 2]))  # the turn completes: it is used again now
     clock.now = 1005
     assert store.info(key("busy")).num_turns == 1
@@ -121,7 +126,8 @@ def test_delete_while_running_drops_the_state(store):
     session = store.acquire(key("d"), "m")
     assert store.delete(key("d"))
     store.release(session, turn([1, 2, 3, 4]))
-    assert store.info(key("d")) is None and store.stats().num_sessions == 0
+    assert store.info(key("d")) is None
+    assert store.stats().num_sessions == 0
 
 
 def test_a_turn_the_journal_cannot_write_is_not_applied(tmp_path):
@@ -131,10 +137,12 @@ def test_a_turn_the_journal_cannot_write_is_not_applied(tmp_path):
 
     store = SessionStore(ttl_s=3600, journal=FullDisk(tmp_path))
     session = store.acquire(key("j"), "m")
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="No space left"):
         store.release(session, turn([1, 2, 3]))
     info = store.info(key("j"))
-    assert info.num_turns == 0 and info.num_transcript_tokens == 0 and not info.is_in_use  # as before the turn
+    assert info.num_turns == 0
+    assert info.num_transcript_tokens == 0
+    assert not info.is_in_use
 
 
 def test_a_journal_write_that_fails_part_way_leaves_the_previous_record_loadable(tmp_path, monkeypatch):
@@ -148,12 +156,13 @@ def test_a_journal_write_that_fails_part_way_leaves_the_previous_record_loadable
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Path, "write_text", torn)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="No space left"):
         store.release(store.acquire(key("p"), "m"), turn([1, 2, 3, 4, 5]))
     monkeypatch.undo()
     again = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
     assert again.restore() == 1  # the torn write is not the record: the previous turn loads
-    assert again.transcript(key("p")) == [1, 2, 3] and again.info(key("p")).num_turns == 1
+    assert again.transcript(key("p")) == [1, 2, 3]
+    assert again.info(key("p")).num_turns == 1
     assert [p.suffix for p in tmp_path.rglob("*") if p.is_file()] == [".json"]  # the leftover is cleaned up
 
 
@@ -174,7 +183,8 @@ def test_a_broken_record_is_skipped_at_start(tmp_path, caplog):
     bad = next(tmp_path.rglob("session-bad.json"))
     bad.write_text(json.dumps({"version": 1, "session": ["default", "bad", "session"]}))  # fields missing
     again = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
-    assert again.restore() == 1 and again.info(key("ok")) is not None
+    assert again.restore() == 1
+    assert again.info(key("ok")) is not None
     assert "skipping a session record" in caplog.text
 
 
@@ -186,5 +196,6 @@ def test_expiring_buckets_with_any_name_touch_no_files(tmp_path):
         store.release(store.acquire(SessionKey("default", name, kind="bucket"), "m"))
     clock.now += 5
     store.expire()  # never raises (it runs on the engine's idle tick)
-    assert store.stats().num_sessions == 0 and list(tmp_path.iterdir()) == []
+    assert store.stats().num_sessions == 0
+    assert list(tmp_path.iterdir()) == []
     tiers.close()

@@ -58,7 +58,7 @@ async def list_sessions(
     sessions: Sessions = Depends(deps.sessions),
     tenant: str = Depends(deps.tenant),
 ) -> dict:
-    return await sessions.list(tenant, limit, after)
+    return await sessions.list_page(tenant, limit, after)
 
 
 @router.get(
