@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -11,7 +12,7 @@ from fastapi import FastAPI
 from server import __version__
 from server.hosting import ModelHost
 from server.http import errors
-from server.http.auth import announce, load_keys
+from server.http.auth import KeyRing, announce, load_keys
 from server.http.gate import Gate
 from server.http.routes import chat, completions, health, metrics, models, responses, sessions
 from server.metrics import Metrics
@@ -23,14 +24,14 @@ from server.serving.sessions import Sessions
 from server.settings import Settings
 
 log = logging.getLogger("kvserve")
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
-def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None = None) -> FastAPI:
-    """`specs` overrides what the settings name (tests pass a tiny local model)."""
-    settings = settings or Settings()
+def lifespan_of(settings: Settings, specs: list[ModelSpec] | None, keys: KeyRing) -> Lifespan:
+    """Everything the app holds, built at start-up in app.state and closed at shutdown."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         host = ModelHost(settings, specs)
         app.state.host = host
         app.state.metrics = metrics = Metrics(host)
@@ -45,14 +46,20 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
         finally:
             host.close()
 
+    return lifespan
+
+
+def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None = None) -> FastAPI:
+    """`specs` overrides what the settings name (tests pass a tiny local model)."""
+    settings = settings or Settings()
+    keys = load_keys(settings.api_keys, settings.api_keys_file)
     app = FastAPI(
         title="kvserve",
         version=__version__,
         description="OpenAI-compatible text generation that continues sessions from their cached K/V.",
-        lifespan=lifespan,
+        lifespan=lifespan_of(settings, specs, keys),
     )
     errors.install(app)
-    keys = load_keys(settings.api_keys, settings.api_keys_file)
     open_paths = {"/health", "/ready"} | (set() if settings.metrics_needs_key else {"/metrics"})
 
     def count(route: str, status: int, seconds: float) -> None:

@@ -58,20 +58,23 @@ class Gate:
             if replay is not None:
                 await self.app(scope, replay, send_tracked)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
-            seconds = time.monotonic() - started
-            log.info(
-                "%s %s %d %.0fms tenant=%s request=%s session=%s",
-                scope["method"],
-                route,
-                outcome["status"],
-                seconds * 1000,
-                state.get("tenant", "-"),
-                request_id,
-                outcome["session"] or "-",
-            )
-            if self.on_response is not None:
-                self.on_response(route, outcome["status"], seconds)
+            self._done(scope, state, outcome, time.monotonic() - started)
+
+    def _done(self, scope, state: dict, outcome: dict, seconds: float) -> None:
+        """One access-log line (ids and counts, never content) and the request counter."""
+        route = getattr(scope.get("route"), "path", None) or "unmatched"
+        log.info(
+            "%s %s %d %.0fms tenant=%s request=%s session=%s",
+            scope["method"],
+            route,
+            outcome["status"],
+            seconds * 1000,
+            state.get("tenant", "-"),
+            state["request_id"],
+            outcome["session"] or "-",
+        )
+        if self.on_response is not None:
+            self.on_response(route, outcome["status"], seconds)
 
     def _tenant(self, path: str, headers: dict) -> str | None:
         if not self.keys:

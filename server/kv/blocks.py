@@ -41,6 +41,15 @@ class Match:
         return sum(len(b.token_ids) for b in self.shared) + self.num_partial
 
 
+@dataclass(slots=True, frozen=True)
+class Residency:
+    """A transcript's K/V in the pool: how many tokens, in how many blocks only it reaches and how many shared."""
+
+    num_tokens: int
+    num_exclusive: int
+    num_shared: int
+
+
 def chain_hash(parent: int, token_ids: list[int] | tuple[int, ...]) -> int:
     return hash((parent, tuple(token_ids)))
 
@@ -186,3 +195,11 @@ class BlockManager:
         """The blocks holding the longest cached prefix of `token_ids`, and that prefix's length."""
         match = self.match(salt, token_ids, len(token_ids))
         return match.shared + ([match.partial] if match.partial is not None else []), match.num_tokens
+
+    def residency(self, salt: str, token_ids: list[int], others: list[list[int]]) -> Residency:
+        """A block is shared when more than one running sequence holds it or one of `others` (the same tenant's
+        other transcripts: pass only those) reaches it by prefix."""
+        blocks, num_tokens = self.chain(salt, token_ids)
+        elsewhere = {b.block_id for ids in others for b in self.chain(salt, ids)[0]}
+        num_shared = sum(1 for b in blocks if b.block_id in elsewhere or b.ref_count > 1)
+        return Residency(num_tokens, len(blocks) - num_shared, num_shared)

@@ -49,6 +49,21 @@ def result(finish_reason: str, text: str, usage: Usage) -> dict[str, Any]:
     }
 
 
+def request_fields(req: ResponseRequest) -> dict[str, Any]:
+    """A new response's record: what the Response object repeats of its request, and its status."""
+    return {
+        "created_at": int(time.time()),
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "metadata": req.metadata or {},
+        "user": req.user,
+        "store": req.store,
+        "status": "in_progress",
+    }
+
+
 def record_turn(extras: dict[str, Any], turn: CompletedTurn) -> None:
     """The store's hook for responses: the result is journaled with the transcript, before the final event."""
     extras.update(result(turn.finish_reason, turn.text, turn.usage))
@@ -99,17 +114,7 @@ class Responses:
             engine.loaded, len(prompt_ids), req.max_output_tokens, s.default_max_tokens, s.max_tokens_limit
         )
         response_id = "resp_" + uuid.uuid4().hex
-        record = {
-            "created_at": int(time.time()),
-            "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "metadata": req.metadata or {},
-            "user": req.user,
-            "store": req.store,
-            "status": "in_progress",
-        }
+        record = request_fields(req)
         key = SessionKey(tenant, response_id, KIND) if req.store else None
         if key is not None:
             serving.check_quota(key, len(prompt_ids) + budget, engine)  # before the record exists

@@ -64,7 +64,7 @@ async def test_batched_equals_unbatched(tiny32):
     got = await asyncio.gather(*(staggered(i, p, kw) for i, (p, kw) in enumerate(CASES)))
     batched.stop()
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
-    assert batched.max_batch_seen >= 4  # equal outputs alone would also pass a one-at-a-time engine
+    assert batched.loop.max_batch_seen >= 4  # equal outputs alone would also pass a one-at-a-time engine
     prompt, kw = CASES[0]
     assert expected[0].token_ids == reference_greedy(tiny32.model, ids(tiny32, prompt), kw["max_tokens"])
 
@@ -89,12 +89,12 @@ async def test_chunked_prefill_keeps_running_streams_flowing(engine, tiny32):
     long = {"max_tokens": 150, "ignore_eos": True}
     streams = [asyncio.create_task(run(engine, ids(tiny32, f"Hello world {i}"), rid=f"s{i}", **long)) for i in range(3)]
     await wait_until_async(
-        lambda: sum(1 for r in list(engine.step_log) if len(r.decode) == 3) >= 2, what="all three streams decoding"
+        lambda: sum(1 for r in list(engine.loop.step_log) if len(r.decode) == 3) >= 2, what="all three streams decoding"
     )
     big = ids(tiny32, "The quick brown fox jumps over the lazy dog. " * 12)
     assert len(big) > 3 * 32
     await run(engine, big, rid="big", max_tokens=2)
-    prefill_steps = [r for r in list(engine.step_log) if any(rid == "big" for rid, _ in r.prefill)]
+    prefill_steps = [r for r in list(engine.loop.step_log) if any(rid == "big" for rid, _ in r.prefill)]
     assert len(prefill_steps) >= 3  # the long prompt was split into chunks
     for record in prefill_steps:
         assert sorted(record.decode) == ["s0", "s1", "s2"]  # every running stream gained a token in that step

@@ -110,13 +110,13 @@ async def test_concurrent_seeded_requests_do_not_disturb_each_other(engine, tiny
     params = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
     alone_a = await run(engine, prompt, seed=1, **params)
     alone_b = await run(engine, prompt, seed=2, **params)
-    engine.max_batch_seen = 0
+    engine.loop.max_batch_seen = 0
     both = await asyncio.gather(
         run(engine, prompt, seed=1, rid="a", **params), run(engine, prompt, seed=2, rid="b", **params)
     )
     assert [both[0].token_ids, both[1].token_ids] == [alone_a.token_ids, alone_b.token_ids]
     assert alone_a.token_ids != alone_b.token_ids
-    assert engine.max_batch_seen == 2  # they really shared forward passes
+    assert engine.loop.max_batch_seen == 2  # they really shared forward passes
 
 
 async def test_stop_string_across_tokens_is_not_emitted(engine, tiny):

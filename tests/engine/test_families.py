@@ -81,11 +81,11 @@ async def test_paged_engine_matches_generate(family, tokenizer, tmp_path):
         assert second.usage.cached_tokens == len(prompt) + 10 - 1  # continued from the session's K/V
         assert second.token_ids == reference_greedy(reference, follow, 6)
         others = [tokenizer(text)["input_ids"] for text in ("Paris is the capital", "Hello world, hello kvserve.")]
-        engine.max_batch_seen = 0
+        engine.loop.max_batch_seen = 0
         batched = await asyncio.gather(
             *(run(engine, ids, rid=f"b{i}", max_tokens=8, ignore_eos=True) for i, ids in enumerate([follow, *others]))
         )
-        assert engine.max_batch_seen >= 2
+        assert engine.loop.max_batch_seen >= 2
         for ids, result in zip([follow, *others], batched, strict=True):
             assert result.token_ids == reference_greedy(reference, ids, 8)
     finally:
