@@ -9,7 +9,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.engine.engine import Engine, EngineConfig
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel, ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
 from server.sessions.journal import Journal

@@ -10,7 +10,8 @@ from typing import TypeVar
 
 import torch
 
-from server.engine.engine import Engine, EngineConfig, EngineStats
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine, EngineStats
 from server.engine.request import Admitted, Failed, Finished, GenerationRequest, SamplingParams, TextDelta
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel

@@ -14,12 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from server.engine.config import EngineConfig
 from server.engine.handle import RequestHandle
 from server.engine.inbox import Inbox, Query, Submission
 from server.engine.loop import EngineLoop, EngineStats
 from server.engine.model_runner import ForwardCounter, ModelRunner
 from server.engine.request import EngineStopped, GenerationRequest, QueueFull, TooLarge
-from server.engine.scheduler import Scheduler, SchedulerConfig
+from server.engine.scheduler import Scheduler
 from server.kv.blocks import BlockManager, Residency
 from server.kv.offload import Offloader
 from server.kv.tiers import TierStore
@@ -29,15 +30,6 @@ from server.sessions.store import SessionStore
 
 log = logging.getLogger("kvserve.engine")
 T = TypeVar("T")
-
-
-@dataclass(slots=True, frozen=True)
-class EngineConfig:
-    budget_bytes: int  # the paged pool's size
-    block_size: int = 16
-    max_batch_tokens: int = 256
-    max_queue: int = 64
-    is_prefix_caching: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,8 +48,7 @@ class Engine:
         self.block_bytes = self.token_bytes * config.block_size
         self.blocks = BlockManager(self.runner.pool.num_blocks, config.block_size)
         self.offloader = Offloader(self.runner.pool, self.blocks, store, tiers, self.model_id, self.fingerprint)
-        scheduling = SchedulerConfig(config.block_size, config.max_batch_tokens, config.is_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, scheduling, self.offloader)
+        self.scheduler = Scheduler(self.blocks, config, self.offloader)
         self._inbox = Inbox()
         self.loop = EngineLoop(loaded, store, self.runner, self.blocks, self.offloader, self.scheduler, self._inbox)
         self._num_submitted = 0  # written by the event loop only

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.errors import Refused
 from server.sessions.record import SessionKey, Usage
 
 
@@ -89,14 +90,10 @@ SLOW_READER = Failed("slow_reader", "the client read the stream too slowly; too 
 CANCELLED = Failed("cancelled", "the client went away")
 
 
-class EngineError(Exception):
+class EngineError(Refused):
     """Raised synchronously by `Engine.submit`; `code` follows the design's error table."""
 
     code = "engine_error"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 class QueueFull(EngineError):

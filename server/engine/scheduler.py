@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from server.engine.config import EngineConfig
 from server.engine.sequence import Sequence, SequenceStatus
 from server.kv.blocks import Block, BlockManager
 from server.kv.offload import Offloader
@@ -22,13 +23,6 @@ from server.sessions.record import SessionKey, common_prefix_len
 
 SOLO_PREFILL_FACTOR = 4  # with no stream to keep flowing, a prefill chunk may be this much larger
 MIN_PREFILL_CHUNK = 16  # however many streams decode, admitted prompts keep moving
-
-
-@dataclass(slots=True, frozen=True)
-class SchedulerConfig:
-    block_size: int = 16
-    max_batch_tokens: int = 256
-    is_prefix_caching: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,7 +60,7 @@ class Row:
 
 
 class Scheduler:
-    def __init__(self, manager: BlockManager, config: SchedulerConfig, offloader: Offloader) -> None:
+    def __init__(self, manager: BlockManager, config: EngineConfig, offloader: Offloader) -> None:
         self.manager, self.config, self.offloader = manager, config, offloader
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

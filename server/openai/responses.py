@@ -8,6 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from server.openai.schemas import reject_unsupported
+
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"
 
 # Fields of the Responses API kvserve does not implement, with the values that mean "not used".
@@ -103,12 +105,8 @@ class ResponseRequest(BaseModel):
     safety_identifier: Any = None
 
     @model_validator(mode="after")
-    def _reject_unsupported(self):
-        for name, allowed in UNSUPPORTED.items():
-            if name in self.model_fields_set and getattr(self, name) not in allowed:
-                raise PydanticCustomError(
-                    "unsupported_parameter", "'{name}' is not supported by this server yet", {"name": name}
-                )
+    def _reject_unsupported(self) -> ResponseRequest:
+        reject_unsupported(self, UNSUPPORTED)
         if isinstance(self.input, list) and not self.input:
             raise PydanticCustomError("value_error", "input must hold at least one message")
         return self

@@ -15,27 +15,24 @@ StopString = Annotated[str, Field(min_length=1, max_length=256)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP)]
 SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN, description="1-128 characters of [A-Za-z0-9_-]")]
 
-# Fields OpenAI defines that kvserve does not implement yet, with the value that means "not used".
-UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "n": 1,
-    "best_of": 1,
-    "echo": False,
-    "suffix": None,
-    "tools": None,
-    "tool_choice": None,
-    "functions": None,
-    "function_call": None,
-    "parallel_tool_calls": None,
-    "response_format": None,
-    "audio": None,
-    "modalities": None,
-    "prediction": None,
-    "web_search_options": None,
-    "reasoning_effort": None,
-    "service_tier": None,
-    "store": None,
-    "metadata": None,
+# Fields OpenAI defines that kvserve does not implement yet, with the values that mean "not used".
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    **dict.fromkeys(("suffix", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"), (None,)),
+    **dict.fromkeys(("response_format", "audio", "modalities", "prediction", "web_search_options"), (None,)),
+    **dict.fromkeys(("reasoning_effort", "service_tier", "store", "metadata"), (None,)),
 }
+
+
+def reject_unsupported(model: BaseModel, unsupported: dict[str, tuple[Any, ...]]) -> None:
+    """A 400 naming the first unimplemented field the client set to something that means "use it"."""
+    for name, unused in unsupported.items():
+        if name in model.model_fields_set and getattr(model, name) not in unused:
+            raise PydanticCustomError(
+                "unsupported_parameter", "'{name}' is not supported by this server yet", {"name": name}
+            )
 
 
 class StreamOptions(BaseModel):
@@ -66,15 +63,8 @@ class _Unsupported(BaseModel):
     metadata: Any = None
 
     @model_validator(mode="after")
-    def _reject_unsupported(self):
-        for name, default in UNSUPPORTED_DEFAULTS.items():
-            value = getattr(self, name, None)
-            if value is not None and value != default and name in self.model_fields_set:
-                raise PydanticCustomError(
-                    "unsupported_parameter",
-                    "'{name}' is not supported by this server yet",
-                    {"name": name},
-                )
+    def _reject_unsupported(self) -> _Unsupported:
+        reject_unsupported(self, UNSUPPORTED)
         return self
 
 

@@ -16,12 +16,12 @@ from fastapi import Request
 
 from server.engine.engine import Engine
 from server.engine.handle import RequestHandle
-from server.engine.request import Admitted, EngineError, Failed, GenerationRequest, SamplingParams
+from server.engine.request import Admitted, Failed, GenerationRequest, SamplingParams
+from server.errors import Refused
 from server.hosting import ModelHost
 from server.metrics import Metrics
 from server.openai.errors import ApiError
 from server.openai.schemas import SESSION_ID_PATTERN, SamplingFields
-from server.sessions.errors import SessionError
 from server.sessions.record import SessionKey
 
 log = logging.getLogger("kvserve.requests")
@@ -78,7 +78,7 @@ class Serving:
             raise ApiError(503, "shutting_down", "the server is shutting down; retry on another instance")
         try:
             handle = engine.submit(gen)
-        except (EngineError, SessionError) as exc:
+        except Refused as exc:  # the engine's (queue full, too large) or the session store's (busy, other model)
             raise ApiError.of(exc.code, exc.message) from exc
         watcher = asyncio.create_task(cancel_on_disconnect(http, handle)) if http is not None else None
         try:

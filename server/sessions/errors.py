@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+from server.errors import Refused
 
-class SessionError(Exception):
+
+class SessionError(Refused):
     code = "session_error"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 class SessionBusy(SessionError):

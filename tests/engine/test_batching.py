@@ -12,7 +12,6 @@ import torch
 
 from server.engine.model_runner import ModelRunner
 from server.engine.request import Failed, QueueFull
-from server.engine.sampler import Sampler
 from server.models.loader import load_model
 from server.sessions.record import SessionKey
 from tests.helpers import make_engine, reference_greedy, request, run, settled, wait_until_async
@@ -230,24 +229,6 @@ async def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(engine, t
     after = await run(engine, prompt, max_tokens=3, ignore_eos=True)
     assert after.usage.completion_tokens == 3
     assert (await settled(engine)).num_blocks_used == 0
-
-
-async def test_a_sampling_error_fails_only_its_request(engine, tiny32, monkeypatch):
-    real = Sampler.sample
-
-    def flaky(self, logits):
-        if self.params.seed == 666:
-            raise RuntimeError("boom")
-        return real(self, logits)
-
-    monkeypatch.setattr(Sampler, "sample", flaky)
-    prompt = ids(tiny32, "Hello world")
-    bad, good = await asyncio.gather(
-        run(engine, prompt, rid="bad", seed=666, max_tokens=5),
-        run(engine, prompt, rid="good", max_tokens=5, ignore_eos=True),
-    )
-    assert bad.error.code == "internal_error"
-    assert good.usage.completion_tokens == 5
 
 
 async def test_out_of_memory_fails_the_step_and_the_engine_serves_on(engine, tiny32, monkeypatch):

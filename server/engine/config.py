@@ -1,0 +1,14 @@
+"""How an engine is sized and scheduled (built from the settings by the host)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    budget_bytes: int  # the paged pool's size
+    block_size: int = 16  # tokens per block
+    max_batch_tokens: int = 256  # tokens per step: decode tokens + prefill chunks
+    max_queue: int = 64  # requests waiting for blocks; more are refused (429)
+    is_prefix_caching: bool = True  # share and keep K/V blocks by prefix
