@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -36,13 +37,50 @@ def event_text(event: dict) -> str:
     return "".join(c.get("delta", {}).get("content") or c.get("text") or "" for c in event.get("choices", []))
 
 
-def spawn_server(extra_args: list[str] | None = None, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+class StreamTimer:
+    """Reads one streamed chat or completion: its text, usage, first-token time and the time of each piece."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.stamps: list[float] = []
+        self.text = ""
+        self.usage: dict | None = None
+
+    def feed(self, line: str) -> None:
+        event = sse_event(line)
+        if event is None:
+            return
+        self.usage = event.get("usage") or self.usage
+        piece = event_text(event)
+        if piece:
+            self.stamps.append(time.perf_counter())
+            self.text += piece
+
+    def result(self) -> dict:
+        usage, stamps = self.usage or {}, self.stamps
+        completion = usage.get("completion_tokens", len(stamps))
+        decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else float("nan")
+        return {
+            "text": self.text,
+            "ttft_s": (stamps[0] if stamps else time.perf_counter()) - self.start,
+            "gaps": [b - a for a, b in itertools.pairwise(stamps)],
+            "decode_tok_s": (completion - 1) / decode_s if completion > 1 else float("nan"),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "completion_tokens": completion,
+        }
+
+
+def spawn_server(
+    extra_args: list[str] | None = None, env: dict | None = None, root: Path = ROOT
+) -> tuple[subprocess.Popen, str]:
+    """`kvserve serve` from the source tree at `root` (another checkout for before/after runs) on a free port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(
-        cmd + (extra_args or []), cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        cmd + (extra_args or []), cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -62,7 +100,8 @@ def spawn_server(extra_args: list[str] | None = None, env: dict | None = None) -
 def hf_decode_rate(args, prompts: list[list[dict]], num_tokens: int, repeats: int = 3) -> float | None:
     """Median decode tokens/s of HF generate() in this process on the same prompts: (N-1) / (T(N) - T(1))."""
     import torch
-    from server.engine.registry import ModelSpec, load_model, read_specs
+
+    from server.models.loader import ModelSpec, load_model, read_specs
 
     if args.hf_model_dir:
         spec = ModelSpec(id="hf", source=args.hf_model_dir)

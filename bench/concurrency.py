@@ -2,9 +2,7 @@
 
 1. For 1, 4, 8 and 16 concurrent conversations (each on its own session, a few turns):
    aggregate decode tokens/s, p50/p95 time to first token, p50 inter-token latency.
-2. Single-session decode on the batching engine vs the per-session engine of the foundation
-   (a second server started with --engine per-session), same requests.
-3. N new conversations sharing a ~1,500-token system prompt, one after another: the TTFT of
+2. N new conversations sharing a ~1,500-token system prompt, one after another: the TTFT of
    the 2nd..Nth against a fresh prompt holding only their own tokens; and the same
    conversations with every cache bypassed (cached_tokens must be 0 on each).
 Writes a section of docs/benchmarks.md and docs/concurrency.png.
@@ -25,39 +23,19 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import itertools
-
-from common import ROOT, event_text, machine_line, replace_section, spawn_server, sse_event
+from common import ROOT, StreamTimer, machine_line, replace_section, spawn_server
 from multiturn import system_prompt
 
 NO_CACHE = {"cache_prompt": False}
 
 
 async def stream(client: httpx.AsyncClient, path: str, body: dict, headers=None) -> dict:
-    start = time.perf_counter()
-    stamps, text, usage = [], "", None
+    timer = StreamTimer()
     async with client.stream("POST", path, json=body, headers=headers or {}) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            event = sse_event(line)
-            if event is None:
-                continue
-            usage = event.get("usage") or usage
-            piece = event_text(event)
-            if piece:
-                stamps.append(time.perf_counter())
-                text += piece
-    gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else float("nan")
-    return {
-        "ttft_s": stamps[0] - start if stamps else float("nan"),
-        "gaps": gaps,
-        "text": text,
-        "completion_tokens": usage["completion_tokens"],
-        "prompt_tokens": usage["prompt_tokens"],
-        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-        "decode_tok_s": (usage["completion_tokens"] - 1) / decode_s,
-    }
+            timer.feed(line)
+    return timer.result()
 
 
 async def conversation(client, model: str, index: int, args) -> list[dict]:
@@ -160,7 +138,6 @@ def main() -> int:
         return results
 
     results = run_server([], batching)
-    results["per_session_single"] = run_server(["--engine", "per-session"], lambda b: level(b, args.model, 1, args))
     if any(r["cached_tokens"] for r in results["shared_no_cache"]):
         print("the no-cache baseline reported cached tokens", file=sys.stderr)
         return 1

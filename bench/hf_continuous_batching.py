@@ -13,11 +13,14 @@ import time
 from pathlib import Path
 
 import torch
-from server.engine.batch_engine import BatchEngine, PoolConfig
-from server.engine.kv_store import KVStore
-from server.engine.registry import load_model, read_specs
-from server.engine.types import Finished, GenerationRequest, SamplingParams
 from transformers import GenerationConfig
+
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.request import Finished, GenerationRequest, SamplingParams
+from server.kv.tiers import TierStore
+from server.models.loader import load_model, read_specs
+from server.sessions.store import SessionStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +41,7 @@ def time_hf(model, inputs, new: int) -> float:
 async def time_kvserve(engine, inputs, new: int) -> float:
     async def one(i, ids):
         params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-        handle = engine.submit(GenerationRequest(f"r{i}", ids, params, use_cache=False))
+        handle = engine.submit(GenerationRequest(request_id=f"r{i}", prompt_ids=ids, params=params, use_cache=False))
         return next(e async for e in handle if isinstance(e, Finished))
 
     start = time.perf_counter()
@@ -57,14 +60,14 @@ def main() -> None:
     inputs = prompts(loaded.tokenizer, args.num)
     with torch.inference_mode():
         hf = min(time_hf(loaded.model, inputs, args.new) for _ in range(2))
-    engine = BatchEngine(loaded, KVStore(1 << 30, 3600), PoolConfig(budget_bytes=1 << 30))
+    engine = Engine(loaded, SessionStore(3600), TierStore(0, 0, None), EngineConfig(budget_bytes=1 << 30))
     engine.start()
     ours = min(asyncio.run(time_kvserve(engine, inputs, args.new)) for _ in range(2))
     engine.stop()
     total = args.num * args.new
     print(f"{args.num} prompts x {args.new} new tokens on {torch.get_num_threads()} threads")
     print(f"transformers generate_batch: {hf:.2f} s, {total / hf:.1f} tok/s")
-    print(f"kvserve BatchEngine:        {ours:.2f} s, {total / ours:.1f} tok/s  ({hf / ours:.2f}x)")
+    print(f"kvserve Engine:             {ours:.2f} s, {total / ours:.1f} tok/s  ({hf / ours:.2f}x)")
 
 
 if __name__ == "__main__":

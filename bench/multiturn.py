@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import event_text, hf_decode_rate, render_report, spawn_server, sse_event
+from common import StreamTimer, hf_decode_rate, render_report, spawn_server
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["rivers", "mountains", "deserts", "forests", "oceans", "islands", "glaciers", "volcanoes"]
@@ -55,32 +55,12 @@ def system_prompt(num_paragraphs: int = 22) -> str:
 
 def stream_request(client: httpx.Client, url: str, body: dict, headers: dict | None = None) -> dict:
     """One streamed request; returns text, ttft, decode rate and usage."""
-    start = time.perf_counter()
-    first = last = None
-    text, usage, num_chunks = "", None, 0
+    timer = StreamTimer()
     with client.stream("POST", url, json=body, headers=headers or {}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            event = sse_event(line)
-            if event is None:
-                continue
-            usage = event.get("usage") or usage
-            piece = event_text(event)
-            if piece:
-                last = time.perf_counter()
-                first = first or last
-                text += piece
-                num_chunks += 1
-    completion = usage["completion_tokens"] if usage else num_chunks
-    decode_s = (last - first) if first and last and last > first else float("nan")
-    return {
-        "text": text,
-        "ttft_s": (first or time.perf_counter()) - start,
-        "decode_tok_s": (completion - 1) / decode_s if completion > 1 else float("nan"),
-        "prompt_tokens": usage["prompt_tokens"] if usage else None,
-        "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-        "completion_tokens": completion,
-    }
+            timer.feed(line)
+    return timer.result()
 
 
 def conversation(client, base, model, mode, replies, args) -> tuple[list[dict], list[dict]]:

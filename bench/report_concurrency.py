@@ -14,7 +14,6 @@ def render(out: Path, results: dict, args, machine: str) -> str:
     shared, no_cache = results["shared"], results["shared_no_cache"]
     later = shared[1:]
     ratio_shared = statistics.median(r["ttft_s"] for r in later) / statistics.median(r["fresh_ttft_s"] for r in later)
-    per_session = results["per_session_single"]
     _plot(out / "concurrency.png", levels)
     lines = [
         "## Concurrency: continuous batching on the paged pool",
@@ -38,9 +37,6 @@ def render(out: Path, results: dict, args, machine: str) -> str:
         " (target >= 4x)."
         if eight
         else "",
-        f"- Single-session decode: batching engine {single['decode_tok_s_per_stream']:.1f} tok/s, per-session engine "
-        f"of the foundation {per_session['decode_tok_s_per_stream']:.1f} tok/s in the same run: "
-        f"**{single['decode_tok_s_per_stream'] / per_session['decode_tok_s_per_stream']:.2f}x** (target: no slower).",
         "",
         f"### {len(shared)} new conversations sharing a {shared[0]['prompt_tokens']}-token system prompt, "
         "one after another",

@@ -23,14 +23,15 @@ import time
 from pathlib import Path
 
 import torch
-from server.engine.batch_engine import BatchEngine, PoolConfig
-from server.engine.kv_cache import bytes_per_token
-from server.engine.kv_store import KVStore
-from server.engine.registry import load_model, read_specs
-from server.engine.tiers import TierStore
-from server.engine.types import Finished, GenerationRequest, SamplingParams, SessionKey, TextDelta
 
-from server.engine import offload
+from server.engine.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.request import Finished, GenerationRequest, SamplingParams, TextDelta
+from server.kv.pool import KVLayout
+from server.kv.tiers import TierStore
+from server.models.loader import load_model, read_specs
+from server.sessions.record import SessionKey
+from server.sessions.store import SessionStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine_line, replace_section
@@ -49,17 +50,20 @@ def history_ids(loaded, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def new_engine(loaded, tiers: TierStore, num_tokens: int) -> BatchEngine:
-    store = KVStore(budget_bytes=1 << 34, ttl_s=3600, tiers=tiers)
-    budget = (num_tokens + 256) * bytes_per_token(loaded.model.config, loaded.dtype)
-    engine = BatchEngine(loaded, store, PoolConfig(budget_bytes=budget, block_size=16, max_batch_tokens=256))
+def new_engine(loaded, tiers: TierStore, num_tokens: int) -> Engine:
+    store = SessionStore(ttl_s=3600, forgetters=(tiers,))
+    budget = (num_tokens + 256) * KVLayout.of(loaded.model.config, loaded.dtype).bytes_per_token
+    engine = Engine(loaded, store, tiers, EngineConfig(budget_bytes=budget, block_size=16, max_batch_tokens=256))
     engine.start()
     return engine
 
 
-async def first_token_s(engine: BatchEngine, prompt: list[int], snapshot=None, use_cache=True) -> tuple[float, int]:
-    request = GenerationRequest("r", prompt, SamplingParams(max_tokens=1, temperature=0.0), None, snapshot=snapshot)
-    request.use_cache = use_cache
+async def first_token_s(engine: Engine, prompt: list[int], kv_source=None, use_cache=True) -> tuple[float, int]:
+    """From submit to the first token; the engine reads `kv_source`'s snapshot itself when it holds more."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    request = GenerationRequest(
+        request_id="r", prompt_ids=prompt, params=params, kv_source=kv_source, use_cache=use_cache
+    )
     start = time.perf_counter()
     handle = engine.submit(request)
     async for event in handle:
@@ -86,27 +90,22 @@ async def measure(loaded, args, state: Path) -> dict:
     host = TierStore(1 << 34, 1 << 34, state)
     warm = new_engine(loaded, host, len(turn2))
     await first_token_s(warm, history)  # turn 1: the history's K/V in the pool
-    snapshot = offload.gather(warm.pool, warm.blocks, KEY, history, warm.model_id, warm.fingerprint)
+    snapshot = await warm.query(lambda: warm.offloader.gather(KEY, history))
     host.put(snapshot)
-    host.flush()  # and a copy on disk
+    host.flush()  # a copy on disk
     path = host.path_for(KEY)
     times: dict[str, list[float]] = {"device": [], "host": [], "disk": [], "recompute": []}
     for _ in range(args.repeats):
         times["device"].append((await first_token_s(warm, turn2))[0])
+        host.put(snapshot)  # in host RAM
         fresh = new_engine(loaded, host, len(turn2))
-        start = time.perf_counter()
-        snap = host.fetch(KEY, fresh.model_id, fresh.fingerprint)
-        times["host"].append(time.perf_counter() - start + (await first_token_s(fresh, turn2, snap))[0])
+        times["host"].append((await first_token_s(fresh, turn2, KEY))[0])
         fresh.stop()
         disk_only = TierStore(0, 1 << 34, state)
         disk_only.scan()
         drop_page_cache(path)
         fresh = new_engine(loaded, disk_only, len(turn2))
-        start = time.perf_counter()
-        snap = disk_only.fetch(KEY, fresh.model_id, fresh.fingerprint)
-        assert snap is not None
-        assert snap.origin == "disk"
-        times["disk"].append(time.perf_counter() - start + (await first_token_s(fresh, turn2, snap))[0])
+        times["disk"].append((await first_token_s(fresh, turn2, KEY))[0])  # read + checksum included
         fresh.stop()
         disk_only.close()
         fresh = new_engine(loaded, host, len(turn2))

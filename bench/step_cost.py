@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 import torch
-from server.engine.paged_attention import STEP_KWARG, KVPool, SeqSpan, StepMeta, install
-from server.engine.registry import load_model, read_specs
+
+from server.kv.attention import STEP_KWARG, SeqSpan, StepMeta, install
+from server.kv.pool import KVLayout, KVPool
+from server.models.loader import load_model, read_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,21 +32,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=100)
     args = parser.parse_args()
     loaded = load_model(read_specs(ROOT / "models" / "models.toml")[0], ROOT / "models" / "cache")
-    model, config = loaded.model, loaded.model.config
+    model = loaded.model
     install(model)
     stride = args.context + 16
-    pool = KVPool(
-        config.num_hidden_layers,
-        config.num_key_value_heads,
-        config.head_dim,
-        17 * stride // 16 + 1,
-        16,
-        loaded.dtype,
-        loaded.device,
-    )
+    pool = KVPool(KVLayout.of(model.config, loaded.dtype), 17 * stride // 16 + 1, 16, loaded.device)
     torch.set_grad_enabled(False)
     for num in (1, 4, 8, 16):
-        spans = [SeqSpan(i, 1, None, (i * stride, i * stride + args.context + 1), None) for i in range(num)]
+        spans = [SeqSpan(i, 1, args.context + 1, None, i * stride, loaded.device) for i in range(num)]
         meta = StepMeta(pool, torch.tensor([i * stride + args.context for i in range(num)]), spans)
         ids, pos = torch.full((1, num), 5), torch.full((1, num), args.context)
         keep = torch.arange(num)
