@@ -165,6 +165,7 @@ class EngineLoop:
             log.exception("request %s: restoring K/V from a snapshot failed", seq.request.request_id)
             num_cached = len(admission.shared) * bs
             source = "device" if num_cached else "none"
+        seq.snapshot = None  # its tokens are in the pool now (or computed): host memory is not held for the run
         seq.num_cached = seq.num_computed = num_cached
         seq.handle.push(Admitted(seq.num_prompt, num_cached, source))
 

@@ -53,6 +53,7 @@ class Sessions:
         if len(ids) >= loaded.max_context:
             message = f"the system prompt has {len(ids)} tokens; this model's context is {loaded.max_context}"
             raise ApiError(400, "context_length_exceeded", message, "system")
+        self.serving.check_quota(key, len(ids), engine)  # the system prompt's K/V counts toward the tenant's
         self.store.create(key, engine.model_id, body.ttl_s)
         try:
             await self._prefill(engine, key, ids, messages)
