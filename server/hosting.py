@@ -71,7 +71,10 @@ class ModelHost:
         """Stop the engines, then write every session's K/V down to disk (transcripts already are)."""
         self._is_closed = True
         self.is_draining = True
-        for engine in list(self.engines.values()):
+        engines = list(self.engines.values())
+        for engine in engines:
+            engine.close()  # all at once: each finishes its current step in parallel
+        for engine in engines:
             engine.stop()
         saved = 0
         for engine in list(self.engines.values()):

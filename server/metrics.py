@@ -105,7 +105,7 @@ class _StateCollector:
         for model_id, engine in list(host.engines.items()):  # the loader thread may add one meanwhile
             stats = engine.stats
             running.add_metric([model_id], stats.num_running)
-            waiting.add_metric([model_id], engine.num_active - stats.num_running)
+            waiting.add_metric([model_id], engine.num_queued)
             usage.add_metric([model_id], stats.num_blocks_used / stats.num_blocks)
             device_bytes += (stats.num_blocks_used + stats.num_blocks_cached) * engine.block_bytes
             device_evictions += stats.num_evictions

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -69,6 +71,24 @@ async def collect(handle) -> Result:
 
 async def run(engine: Engine, prompt_ids, session: str | None = None, rid: str = "r", **params) -> Result:
     return await collect(engine.submit(request(prompt_ids, session, rid, **params)))
+
+
+@contextlib.asynccontextmanager
+async def paused(engine: Engine) -> AsyncIterator[None]:
+    """Hold the engine thread between two steps: what is submitted meanwhile is taken in one go afterwards."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        gate.wait(30)
+
+    answered = asyncio.ensure_future(engine.query(hold))
+    assert await asyncio.to_thread(entered.wait, 30), "the engine thread never paused"
+    try:
+        yield
+    finally:
+        gate.set()
+        await answered
 
 
 async def settled(engine: Engine) -> EngineStats:

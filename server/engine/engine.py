@@ -11,7 +11,6 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from server.engine.config import EngineConfig
@@ -19,7 +18,7 @@ from server.engine.handle import RequestHandle
 from server.engine.inbox import Inbox, Query, Submission
 from server.engine.loop import EngineLoop, EngineStats
 from server.engine.model_runner import ForwardCounter, ModelRunner
-from server.engine.request import EngineStopped, GenerationRequest, QueueFull, TooLarge
+from server.engine.request import EngineBusy, EngineStopped, GenerationRequest, QueueFull, TooLarge
 from server.engine.scheduler import Scheduler
 from server.kv.blocks import BlockManager, Residency
 from server.kv.offload import Offloader
@@ -29,14 +28,8 @@ from server.sessions.record import SessionKey
 from server.sessions.store import SessionStore
 
 log = logging.getLogger("kvserve.engine")
+QUERY_TIMEOUT_S = 30.0
 T = TypeVar("T")
-
-
-@dataclass(slots=True, frozen=True)
-class DeviceUsage:
-    num_tokens: int
-    exclusive_bytes: int
-    shared_bytes: int
 
 
 class Engine:
@@ -52,6 +45,7 @@ class Engine:
         self._inbox = Inbox()
         self.loop = EngineLoop(loaded, store, self.runner, self.blocks, self.offloader, self.scheduler, self._inbox)
         self._num_submitted = 0  # written by the event loop only
+        self.query_timeout_s = QUERY_TIMEOUT_S
         self._thread = threading.Thread(target=self.loop.run, name=f"engine-{self.model_id}", daemon=True)
         pool = self.runner.pool
         log.info(
@@ -73,8 +67,14 @@ class Engine:
 
     @property
     def num_active(self) -> int:
-        """Requests submitted and not answered for good yet (queued, waiting or running)."""
-        return self._num_submitted - self.loop.num_done
+        """Requests submitted and not answered for good yet (queued, waiting or running); never less than the truth:
+        the engine thread publishes what it answered after each step."""
+        return self._num_submitted - self.stats.num_done
+
+    @property
+    def num_queued(self) -> int:
+        """Submitted and not running yet: in the inbox, waiting for blocks or reading a snapshot."""
+        return max(0, self.num_active - self.stats.num_running)
 
     # -- the event loop ----------------------------------------------------------------------
     def start(self) -> None:
@@ -87,34 +87,50 @@ class Engine:
         num_tokens = len(request.prompt_ids) + request.params.max_tokens
         if -(-num_tokens // self.config.block_size) > self.blocks.num_blocks:
             raise TooLarge(f"{num_tokens} tokens need more K/V memory than the pool holds")
-        if self._inbox.qsize() + self.stats.num_waiting >= self.config.max_queue:
+        if self.num_queued >= self.config.max_queue:
             raise QueueFull(f"{self.config.max_queue} requests are already waiting; retry shortly")
         session = self.store.acquire(request.session, self.model_id) if request.session else None
         handle = RequestHandle(request.request_id, asyncio.get_running_loop(), request.max_unread_events)
+        self._num_submitted += 1  # before the engine thread can answer it
         self._inbox.put(Submission(request, session, handle))
-        self._num_submitted += 1
         return handle
 
     async def query(self, fn: Callable[[], T]) -> T:
-        """`fn()` run on the engine thread between steps (or here, once the engine has stopped)."""
+        """`fn()` run on the engine thread between steps (or here, once the engine has stopped).
+
+        The answer waits for the step in progress (a long prefill chunk can take a second on a CPU);
+        an engine that does not answer within `query_timeout_s` raises EngineBusy (503).
+        """
         if not self._thread.is_alive():
             return fn()
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._inbox.put(Query(fn, future))
-        return await future
+        try:
+            return await asyncio.wait_for(future, self.query_timeout_s)
+        except TimeoutError:
+            message = f"the engine of model {self.model_id!r} did not answer within {self.query_timeout_s:g} s"
+            raise EngineBusy(message) from None
 
-    async def residency(self, items: list[tuple[SessionKey, list[int], list[list[int]]]]) -> list[DeviceUsage]:
-        """For each (session, transcript, the tenant's other transcripts): its K/V in the pool, in tokens and
-        bytes split into exclusive and shared (held by another running sequence or reached by another session).
+    async def residency(self, items: list[tuple[SessionKey, list[int], list[list[int]]]]) -> list[Residency]:
+        """For each (session, transcript, the tenant's other transcripts): its K/V in the pool, in tokens and in
+        blocks only it reaches or shared (`BlockManager.residency`). Asked on the engine thread; transcripts with
+        no tokens hold nothing and are not asked about.
         """
-        found: list[Residency] = await self.query(lambda: [self.blocks.residency(k.tenant, t, o) for k, t, o in items])
-        return [
-            DeviceUsage(r.num_tokens, r.num_exclusive * self.block_bytes, r.num_shared * self.block_bytes)
-            for r in found
-        ]
+        asked = [i for i, (_, transcript, _) in enumerate(items) if transcript]
+        found = [Residency(0, 0, 0)] * len(items)
+        if asked:
+            blocks = self.blocks
+            answers = await self.query(lambda: [blocks.residency(items[i][0].tenant, *items[i][1:]) for i in asked])
+            for index, answer in zip(asked, answers, strict=True):
+                found[index] = answer
+        return found
+
+    def close(self) -> None:
+        """Ask the engine thread to stop after its current step (requests still there answer 503)."""
+        self._inbox.close()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        self._inbox.close()
+        self.close()
         self._thread.join(timeout_s)
 
     def save_sessions(self) -> int:

@@ -41,6 +41,7 @@ class EngineStats:
     num_blocks_cached: int = 0  # idle, holding reusable K/V
     num_evictions: int = 0
     num_spilled: int = 0
+    num_done: int = 0  # requests answered for good, ever
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,7 +66,7 @@ class EngineLoop:
         self.model_id = loaded.spec.id
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
         self.max_batch_seen = 0
-        self.num_done = 0  # requests answered for good (written here only)
+        self.num_done = 0  # requests answered for good; read by others through the published stats
         self.stats = EngineStats(num_blocks=blocks.num_blocks)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix=f"kv-loader-{self.model_id}")
 
@@ -85,6 +86,7 @@ class EngineLoop:
             self._finish(seq, SHUTTING_DOWN, is_complete=False)
         for item in self._inbox.take(block=False):
             self._reject(item)
+        self._publish_stats()
         self._loader.shutdown(wait=False, cancel_futures=True)
 
     def _take(self) -> None:
@@ -115,6 +117,7 @@ class EngineLoop:
         self._drop_ended()
         for admission in self.scheduler.admit():
             self._start(admission)
+        self._start_loads()
         rows = self.scheduler.schedule()
         if not rows:
             return
@@ -141,13 +144,10 @@ class EngineLoop:
                 self._finish(seq, Failed("request_timeout", message), is_complete=False)
 
     def _start(self, admission: Admission) -> None:
-        """Carry out an admission: read a snapshot first, or put the reused K/V in place and say so."""
+        """Carry out an admission: put the reused K/V in place and tell the client (a load starts later)."""
         seq, bs = admission.seq, self.blocks.block_size
         if admission.load is not None:
-            fetch = self.offloader.tiers.fetch
-            seq.loading = self._loader.submit(fetch, admission.load, self.model_id, self.offloader.fingerprint)
-            seq.loading.add_done_callback(lambda _: self._inbox.put(WAKE))
-            return
+            return  # `_start_loads` reads the snapshot
         num_cached, source = admission.num_cached, admission.source
         pool = self.runner.pool
         try:
@@ -165,9 +165,21 @@ class EngineLoop:
             log.exception("request %s: restoring K/V from a snapshot failed", seq.request.request_id)
             num_cached = len(admission.shared) * bs
             source = "device" if num_cached else "none"
+        finally:
+            self.scheduler.unpin_copy_source(seq)
         seq.snapshot = None  # its tokens are in the pool now (or computed): host memory is not held for the run
         seq.num_cached = seq.num_computed = num_cached
         seq.handle.push(Admitted(seq.num_prompt, num_cached, source))
+
+    def _start_loads(self) -> None:
+        """Read, on the loader thread, the snapshot of every LOADING sequence that has no read in flight."""
+        for seq in self.scheduler.loading:
+            if seq.loading is None and seq.request.kv_source is not None:
+                fetch = self.offloader.tiers.fetch
+                seq.loading = self._loader.submit(
+                    fetch, seq.request.kv_source, self.model_id, self.offloader.fingerprint
+                )
+                seq.loading.add_done_callback(lambda _: self._inbox.put(WAKE))
 
     def _fail_step(self, rows: list[Row], exc: Exception) -> None:
         log.exception("forward pass failed for %d requests", len(rows), exc_info=exc)
@@ -238,4 +250,5 @@ class EngineLoop:
             num_blocks_cached=self.blocks.num_cached_idle,
             num_evictions=self.blocks.num_evictions,
             num_spilled=self.offloader.num_spilled,
+            num_done=self.num_done,
         )

@@ -56,7 +56,7 @@ class ModelRunner:
 
     def _prepare(self, rows: list[Row]) -> tuple[StepMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed ids and positions, the slot mapping and one span per row (blocks are allocated)."""
-        bs, device = self.pool.block_size, self.device
+        device = self.device
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -66,7 +66,7 @@ class ModelRunner:
             start = row.seq.num_computed
             end = start + len(row.token_ids)
             table = [b.block_id for b in row.seq.blocks]
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += self.pool.slot_ids(table, start, end)
             spans.append(self._span(len(ids), len(row.token_ids), table, end))
             ids += row.token_ids
             positions += range(start, end)
@@ -83,8 +83,7 @@ class ModelRunner:
         first = table[0]
         ctx_slots = None
         if table[:num_blocks] != list(range(first, first + num_blocks)):  # not one run: attention gathers
-            slot_ids = [table[p // bs] * bs + p % bs for p in range(ctx_len)]
-            ctx_slots = torch.tensor(slot_ids, dtype=torch.long, device=self.device)
+            ctx_slots = torch.tensor(self.pool.slot_ids(table, 0, ctx_len), dtype=torch.long, device=self.device)
         return SeqSpan(q_start, q_len, ctx_len, ctx_slots, first * bs, self.device)
 
     def _count(self, rows: list[Row]) -> None:

@@ -106,3 +106,7 @@ class TooLarge(EngineError):
 
 class EngineStopped(EngineError):
     code = "shutting_down"
+
+
+class EngineBusy(EngineError):
+    code = "not_ready"

@@ -32,7 +32,7 @@ class Admission:
     seq: Sequence
     load: SessionKey | None = None  # read this session's snapshot first (the sequence is LOADING)
     shared: tuple[Block, ...] = ()  # full blocks reused as they are (pinned)
-    partial: Block | None = None  # a cached block whose first `num_partial` slots are copied
+    partial: Block | None = None  # a cached block (pinned until copied) whose first `num_partial` slots are copied
     num_partial: int = 0
     restore: Snapshot | None = None  # write its tokens past `shared` up to `num_restore`
     num_restore: int = 0
@@ -80,10 +80,11 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------------
     def admit(self) -> list[Admission]:
         """Admit from the head of the queue while blocks can be reserved; loads leave the queue meanwhile."""
-        for seq in [s for s in self.loading if s.loading is not None and s.loading.done()]:
+        loaded = [s for s in self.loading if s.loading is not None and s.loading.done()]
+        for seq in loaded:
             self.loading.remove(seq)
             seq.snapshot, seq.loading, seq.status = _result(seq), None, SequenceStatus.WAITING
-            self.waiting.appendleft(seq)  # it arrived first: it stays ahead of those queued behind it
+        self.waiting.extendleft(reversed(loaded))  # back at the head, in their order of arrival
         admitted = []
         while self.waiting:
             admission = self._plan(self.waiting[0])
@@ -111,18 +112,23 @@ class Scheduler:
         num_restore = self._restorable(seq, num_in_pool)
         if num_restore:
             shared = shared[: num_restore // bs]
+        # A partially matching block is pinned too until its slots are copied: another admission's allocation
+        # in the same step must not evict it and write over it first.
+        partial = match.partial if match is not None and not num_restore else None
+        pinned = shared + ([partial] if partial is not None else [])
         need = -(-seq.max_len // bs) - len(shared)
         self.offloader.spill(need)
-        if not self.manager.can_reserve(need, shared):
+        if not self.manager.can_reserve(need, pinned):
             return None
         self.manager.reserve(need)
-        self.manager.pin(shared)
-        seq.blocks, seq.num_reserved = list(shared), need
+        self.manager.pin(pinned)
+        seq.blocks, seq.num_reserved, seq.copy_source = list(shared), need, partial
         if num_restore:
             assert seq.snapshot is not None
             return Admission(seq, shared=tuple(shared), restore=seq.snapshot, num_restore=num_restore)
-        if match is not None and match.partial is not None:
-            return Admission(seq, shared=tuple(shared), partial=match.partial, num_partial=match.num_partial)
+        if partial is not None:
+            assert match is not None
+            return Admission(seq, shared=tuple(shared), partial=partial, num_partial=match.num_partial)
         return Admission(seq, shared=tuple(shared))
 
     def _holds_more(self, source: SessionKey, num_in_pool: int) -> bool:
@@ -184,18 +190,26 @@ class Scheduler:
             self.manager.record(seq.blocks[index], parent, tokens)
 
     def remove(self, seq: Sequence) -> bool:
-        """Take a sequence out, giving back its blocks and reservation. False when it was not here."""
-        for queue in (self.running, self.waiting, self.loading):
-            if seq in queue:
-                queue.remove(seq)
-                break
-        else:
+        """Take a sequence out, giving back its blocks and reservation. False when it had finished already."""
+        if seq.status is SequenceStatus.FINISHED:
             return False
+        queues: dict[SequenceStatus, deque[Sequence] | list[Sequence]] = {
+            SequenceStatus.WAITING: self.waiting,
+            SequenceStatus.LOADING: self.loading,
+            SequenceStatus.RUNNING: self.running,
+        }
+        queues[seq.status].remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self.unpin_copy_source(seq)
         self.manager.release(seq.blocks, keep_contents=seq.use_cache)
         self.manager.unreserve(seq.num_reserved)
         seq.blocks, seq.num_reserved = [], 0
         return True
+
+    def unpin_copy_source(self, seq: Sequence) -> None:
+        if seq.copy_source is not None:
+            self.manager.release([seq.copy_source])
+            seq.copy_source = None
 
 
 def _result(seq: Sequence) -> Snapshot | None:

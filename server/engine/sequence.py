@@ -38,6 +38,7 @@ class Sequence:
         self.num_cached = 0  # prompt tokens reused (pool or snapshot), not fed to the model
         self.blocks: list[Block] = []
         self.num_reserved = 0  # blocks promised at admission, not allocated yet
+        self.copy_source: Block | None = None  # a cached block pinned at admission until its matching slots are copied
         self.use_cache = request.use_cache  # False: reuse nothing and publish nothing
         self.snapshot: Snapshot | None = None  # read from a lower tier while LOADING
         self.loading: Future[Snapshot | None] | None = None
@@ -59,10 +60,6 @@ class Sequence:
     @property
     def is_prefilled(self) -> bool:
         return self.num_computed >= self.num_prompt
-
-    @property
-    def generated_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt :]
 
     @property
     def max_len(self) -> int:

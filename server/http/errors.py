@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.errors import Refused
 from server.openai.errors import ApiError, error_body
 
 log = logging.getLogger("kvserve.api")
@@ -50,6 +51,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(Refused)
+    async def _refused(request: Request, exc: Refused) -> JSONResponse:
+        return await _api_error(request, ApiError.of(exc.code, exc.message))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -24,7 +24,11 @@ from server.kv.pool import KVPool
 
 ATTN_NAME = "kvserve_paged"
 STEP_KWARG = "kvserve_step"
+PROBE_NAME = "kvserve_probe"
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# What paged_attention honours (sliding_window, softcap, scaling) or may ignore: positions are already in the
+# rotated queries and keys, and dropout is 0 at inference.
+HANDLED_INPUTS = {"dropout", "scaling", "sliding_window", "softcap", "position_ids", STEP_KWARG}
 
 
 @dataclass(slots=True)
@@ -37,7 +41,7 @@ class SeqSpan:
     ctx_slots: torch.Tensor | None  # [ctx_len] slot ids, or None when the context is one contiguous run
     first_slot: int  # when contiguous: the slot of position 0
     device: torch.device
-    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def keys(self, window: int | None) -> tuple[int, int]:
         """The key positions [lo, ctx_len) a layer with this window can see from this span's queries."""
@@ -53,10 +57,10 @@ class SeqSpan:
             lo, hi = self.keys(window)
             queries = self.ctx_len - self.q_len + torch.arange(self.q_len, device=self.device)  # positions
             keys = torch.arange(lo, hi, device=self.device)
-            visible = keys[None, :] <= queries[:, None]
+            visible = keys[None, :] <= queries[:, None]  # never all true: the first query does not see the last key
             if window is not None:
                 visible &= keys[None, :] > queries[:, None] - window
-            self._masks[window] = None if bool(visible.all()) else visible
+            self._masks[window] = visible
         return self._masks[window]
 
 
@@ -160,4 +164,28 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     unknown = sorted(set(getattr(config, "layer_types", None) or []) - set(LAYER_TYPES))
     if unknown:
         return f"its layers use attention kinds the paged pool does not implement ({', '.join(unknown)})"
+    unhandled = sorted(attention_inputs(model) - HANDLED_INPUTS)
+    if unhandled:  # e.g. GPT-OSS's attention sinks (`s_aux`): dropping them would change every answer
+        return f"its attention takes inputs the paged attention does not implement ({', '.join(unhandled)})"
     return None
+
+
+def attention_inputs(model: torch.nn.Module) -> set[str]:
+    """The inputs transformers hands this model's attention function (flags aside), seen in a two-token forward."""
+    seen: set[str] = set()
+
+    def probe(module: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        seen.update(name for name, value in kwargs.items() if value is not None and not isinstance(value, bool))
+        return query.transpose(1, 2).contiguous(), None  # [B, T, H, D]: the shape the output projection takes
+
+    previous = model.config._attn_implementation  # type: ignore[union-attr]
+    AttentionInterface.register(PROBE_NAME, probe)
+    AttentionMaskInterface.register(PROBE_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(PROBE_NAME)  # type: ignore[operator]
+    try:
+        with torch.inference_mode():
+            device = next(model.parameters()).device
+            model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)  # type: ignore[operator]
+    return seen

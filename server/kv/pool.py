@@ -64,11 +64,14 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.k + self.v)
 
+    def slot_ids(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        """The slots of positions start..end-1 of a sequence whose positions fill these blocks in order."""
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+
     def slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """[num_tokens] slot ids of the first `num_tokens` tokens held by these blocks, in order."""
-        bs = self.block_size
-        slots = [block * bs + offset for block in block_ids for offset in range(bs)][:num_tokens]
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
+        return torch.tensor(self.slot_ids(block_ids, 0, num_tokens), dtype=torch.long, device=self.device)
 
     def copy_slots(self, src_block: int, dst_block: int, num_slots: int) -> None:
         """Divergence inside a block: the new block starts as a copy of the matching slots."""

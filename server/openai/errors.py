@@ -30,6 +30,7 @@ CODE_STATUS = {
     "slow_reader": 429,
     "quota_exceeded": 429,
     "shutting_down": 503,
+    "not_ready": 503,
     "internal_error": 500,
     "cancelled": 499,
     "session_not_found": 404,

@@ -9,9 +9,9 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from server.engine.engine import DeviceUsage, Engine
+from server.engine.engine import Engine
 from server.engine.request import Failed, SamplingParams
 from server.openai.errors import ApiError
 from server.openai.schemas import SessionCreate
@@ -22,6 +22,14 @@ from server.sessions.record import SessionInfo, SessionKey
 
 MAX_LIST = 1000
 T = TypeVar("T")
+
+
+class Device(NamedTuple):
+    """A session's K/V in its engine's pool, as the sessions API reports it."""
+
+    num_tokens: int
+    exclusive_bytes: int
+    shared_bytes: int
 
 
 def new_session_id() -> str:
@@ -101,12 +109,12 @@ class Sessions:
             "last_id": page[-1].key.name if page else None,
         }
 
-    async def _residency(self, infos: list[SessionInfo], with_sharing: bool) -> list[DeviceUsage]:
+    async def _residency(self, infos: list[SessionInfo], with_sharing: bool) -> list[Device]:
         """Each session's K/V in its engine's pool; one question per engine, asked on its thread.
 
         `with_sharing=False` (lists) skips the exclusive/shared split, which walks the tenant's other sessions.
         """
-        found = [DeviceUsage(0, 0, 0)] * len(infos)
+        found = [Device(0, 0, 0)] * len(infos)
         by_model: dict[str, list[int]] = {}
         for index, info in enumerate(infos):
             by_model.setdefault(info.model_id, []).append(index)
@@ -120,10 +128,11 @@ class Sessions:
                 others = self.store.others(key, model_id) if with_sharing else []
                 items.append((key, self.store.transcript(key), others))
             for index, usage in zip(indices, await engine.residency(items), strict=True):
-                found[index] = usage
+                bb = engine.block_bytes
+                found[index] = Device(usage.num_tokens, usage.num_exclusive * bb, usage.num_shared * bb)
         return found
 
-    def _body(self, info: SessionInfo, device: DeviceUsage, with_sharing: bool) -> dict[str, Any]:
+    def _body(self, info: SessionInfo, device: Device, with_sharing: bool) -> dict[str, Any]:
         lower = self.host.tiers.usage(info.key)
         device_usage = _tier(device.num_tokens, device.exclusive_bytes, device.shared_bytes)
         if not with_sharing:

@@ -13,7 +13,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from server.sessions.errors import SessionBusy, SessionModelMismatch, SessionNotFound
@@ -32,12 +31,6 @@ class Forgetter(Protocol):
     def drop(self, key: SessionKey) -> None: ...
 
 
-@dataclass(slots=True, frozen=True)
-class StoreStats:
-    num_sessions: int
-    num_expired: int
-
-
 class SessionStore:
     def __init__(
         self,
@@ -54,7 +47,6 @@ class SessionStore:
         self._lock = threading.Lock()
         self._sessions: dict[SessionKey, Session] = {}
         self._turn_hooks: dict[str, TurnHook] = {}
-        self.num_expired = 0
         self._forgotten: deque[tuple[str, SessionKey, list[int]]] = deque(maxlen=10_000)  # for the engines
 
     def on_turn(self, kind: str, hook: TurnHook) -> None:
@@ -200,10 +192,6 @@ class SessionStore:
         with self._lock:
             return key in self._sessions
 
-    def stats(self) -> StoreStats:
-        with self._lock:
-            return StoreStats(len(self._sessions), self.num_expired)
-
     # -- changing ---------------------------------------------------------------------
     def fork(self, key: SessionKey, new_key: SessionKey, num_turns: int, ttl_s: float | None = None) -> Session:
         """A new session holding `key`'s first `num_turns` turns; its K/V is found by prefix (shared blocks)."""
@@ -272,5 +260,4 @@ class SessionStore:
             session = self._sessions.pop(key)
             if not key.is_bucket:
                 self._forgotten.append((session.model_id, key, session.transcript_ids))
-            self.num_expired += 1
             self._forget(key)  # file unlinks: quick enough to do under the lock

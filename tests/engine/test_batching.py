@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from server.engine.model_runner import ModelRunner
 from server.engine.request import Failed, QueueFull
 from server.models.loader import load_model
 from server.sessions.record import SessionKey
-from tests.helpers import make_engine, reference_greedy, request, run, settled, wait_until_async
+from tests.helpers import collect, make_engine, paused, reference_greedy, request, run, settled, wait_until_async
 
 BLOCK = 4
 
@@ -186,20 +185,11 @@ async def test_idle_cached_blocks_a_request_reuses_are_not_counted_as_free(tiny3
         run(eng, other, rid="R", max_tokens=33 * BLOCK - len(other), ignore_eos=True)  # reserves 33 blocks
     )
     await wait_until_async(lambda: eng.stats.num_running == 1, what="R to run")
-    entered, gate = threading.Event(), threading.Event()
-
-    def hold() -> None:  # the engine thread waits here while P is queued
-        entered.set()
-        gate.wait(30)
-
-    held = asyncio.ensure_future(eng.query(hold))
-    await asyncio.to_thread(entered.wait, 30)
-    # P shares the 4 cached blocks and needs 6 more (10 in all); 3 are free beyond R's reservation. Counting its
-    # own pinned blocks as evictable (3 + 4 >= 6) would admit it, and the pool would run dry mid-stream.
-    shared = asyncio.create_task(run(eng, [*prefix, 5], rid="P", max_tokens=10 * BLOCK - len(prefix) - 1))
-    await asyncio.sleep(0)  # P is submitted
-    gate.set()
-    await held
+    async with paused(eng):
+        # P shares the 4 cached blocks and needs 6 more (10 in all); 3 are free beyond R's reservation. Counting
+        # its own pinned blocks as evictable (3 + 4 >= 6) would admit it, and the pool would run dry mid-stream.
+        shared = asyncio.create_task(run(eng, [*prefix, 5], rid="P", max_tokens=10 * BLOCK - len(prefix) - 1))
+        await asyncio.sleep(0)  # P is submitted
     await eng.query(lambda: None)  # P is in the scheduler; the next answer comes after a step tried to admit it
     queues = await eng.query(
         lambda: (
@@ -210,6 +200,28 @@ async def test_idle_cached_blocks_a_request_reuses_are_not_counted_as_free(tiny3
     assert queues == (["R"], ["P"])
     eng.stop()
     assert (await running).error.code == (await shared).error.code == "shutting_down"
+
+
+async def test_admissions_in_one_step_never_copy_from_a_block_another_one_evicts(tiny):
+    """A partially matching cached block stays pinned until its slots are copied, whatever is admitted with it."""
+    eng = make_engine(tiny, budget_bytes=8 * BLOCK * 1024, block_size=BLOCK)  # 8 blocks (float64: 1 KiB a token)
+    assert eng.blocks.num_blocks == 8
+    histories = [[10 + 10 * i + j for j in range(6)] for i in range(4)]
+    for i, ids in enumerate(histories):
+        await run(eng, ids, rid=f"h{i}", max_tokens=1)  # every block idle and cached: any new one evicts
+    a = [*histories[3][:2], 300]  # copies 2 slots of a cached block
+    b = [*histories[0][:5], 301]  # shares one block, copies 1 slot of the next
+    async with paused(eng):  # both are admitted in the same step
+        handles = [
+            eng.submit(request(ids, rid=rid, max_tokens=4, ignore_eos=True)) for rid, ids in (("a", a), ("b", b))
+        ]
+    ra, rb = [await collect(h) for h in handles]
+    assert ra.admitted.num_cached == 2
+    assert rb.admitted.num_cached == 5
+    assert ra.token_ids == reference_greedy(tiny.model, a, 4)
+    assert rb.token_ids == reference_greedy(tiny.model, b, 4)  # computed from its own tokens' K/V, not a's
+    assert await eng.query(lambda: (eng.blocks.num_used, eng.blocks.num_reserved)) == (0, 0)
+    eng.stop()
 
 
 async def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(engine, tiny32, monkeypatch):

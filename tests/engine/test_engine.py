@@ -78,7 +78,7 @@ async def test_stateless_requests_keep_no_session(engine, tiny):
     second = await run(engine, prompt, max_tokens=2)
     assert first.usage.cached_tokens == 0
     assert second.usage.cached_tokens == len(prompt) - 1  # the tenant's prefix
-    assert engine.store.stats().num_sessions == 0
+    assert engine.store.session_keys() == set()
 
 
 async def test_timeout_ends_request_and_keeps_the_transcript(engine, tiny):

@@ -13,12 +13,14 @@ from transformers import (
     BloomConfig,
     Gemma2Config,
     GemmaConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
     Qwen3Config,
 )
 
+from server.kv.attention import unsupported_reason
 from server.models.loader import ModelLoadError, ModelSpec, load_model
 from tests.helpers import make_engine, reference_greedy, run
 from tests.tiny import build_tokenizer
@@ -90,6 +92,16 @@ async def test_paged_engine_matches_generate(family, tokenizer, tmp_path):
             assert result.token_ids == reference_greedy(reference, ids, 8)
     finally:
         engine.stop()
+
+
+def test_a_model_whose_attention_needs_more_is_refused():
+    config = GptOssConfig(**SHAPE, vocab_size=64, head_dim=16, num_local_experts=2, num_experts_per_tok=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    reason = unsupported_reason(model)
+    assert reason is not None
+    assert "s_aux" in reason  # attention sinks: served without them, every answer would change
+    assert model.config._attn_implementation != "kvserve_probe"  # the probe leaves the model as it was
 
 
 def test_a_model_without_the_attention_interface_is_refused_at_load(tokenizer, tmp_path):

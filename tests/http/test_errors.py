@@ -144,3 +144,11 @@ def test_ready_is_503_while_a_model_loads(tiny_spec, monkeypatch):
         assert c.get("/health").status_code == 200
         release.set()
         wait_ready(c)
+
+
+def test_an_engine_that_does_not_answer_is_503_not_a_hang(client, engine, monkeypatch):
+    chat = {"model": "tiny", "messages": MSG, "max_tokens": 2, "session_id": "asked"}
+    assert client.post(CHAT, json=chat).status_code == 200
+    monkeypatch.setattr(engine, "query_timeout_s", 0.0)  # no engine thread answers in no time
+    r = client.get("/v1/sessions/asked")
+    assert_error(r, 503, "not_ready")
