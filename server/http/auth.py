@@ -40,6 +40,7 @@ class KeyRing:
 
 
 KEY_PATTERN = re.compile(r"[A-Za-z0-9._~+/=-]{8,512}")
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def parse_keys(text: str) -> list[tuple[str, str]]:
@@ -57,8 +58,17 @@ def parse_keys(text: str) -> list[tuple[str, str]]:
     keys = [key for key, _ in pairs]
     if len(set(keys)) != len(keys):
         raise ValueError("the same API key is listed twice")
-    # A key without a tenant gets a numbered one (never derived from the key, which would leak into logs).
-    return [(key, tenant or f"key-{i + 1}") for i, (key, tenant) in enumerate(pairs)]
+    for _, tenant in pairs:
+        if tenant and not TENANT_PATTERN.fullmatch(tenant):
+            raise ValueError(f"tenant names are 1-64 characters of [A-Za-z0-9._-] (got {tenant[:64]!r})")
+    # A key without a tenant gets a numbered one (never derived from the key, which would leak into logs); a
+    # generated name that a listed key also names would merge two tenants: refuse to start instead.
+    named = {tenant for _, tenant in pairs if tenant}
+    generated = [(key, tenant or f"key-{i + 1}") for i, (key, tenant) in enumerate(pairs)]
+    for (_, given), (_, made) in zip(pairs, generated, strict=True):
+        if not given and made in named:
+            raise ValueError(f"an unnamed key would get the tenant name {made!r}, which another key names; name it")
+    return generated
 
 
 def load_keys(inline: str | None, path: Path | None) -> KeyRing:

@@ -82,6 +82,16 @@ def test_keys_are_compared_whole_and_name_their_tenant(tmp_path):
     assert load_keys(None, empty).tenant_for("sk-from-file-1") == "filed"
 
 
+def test_an_unnamed_key_can_never_join_a_named_tenant():
+    with pytest.raises(ValueError, match="which another key names"):
+        load_keys("sk-carol-0001:key-2,sk-dave-00002", None)  # the second key would be "key-2" too
+    with pytest.raises(ValueError, match="tenant names"):
+        load_keys("sk-carol-0001:no spaces please", None)
+    keys = load_keys("sk-carol-0001:carol,sk-dave-00002", None)
+    assert keys.tenant_for("sk-carol-0001") == "carol"
+    assert keys.tenant_for("sk-dave-00002") == "key-2"
+
+
 def test_tenants_cannot_see_or_reach_each_others_sessions_and_responses(guarded):
     sid = guarded.post("/v1/sessions", json={"system": "Secret system prompt."}, headers=auth(ALICE)).json()["id"]
     foreign = guarded.get(f"/v1/sessions/{sid}", headers=auth(BOB))
