@@ -25,6 +25,11 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, "invalid_json", "the request body is not valid JSON")
     if kind == "extra_forbidden":
         return ApiError(400, "unsupported_parameter", f"unknown parameter '{param}'", param)
+    if kind == "lone_surrogate":
+        where = (err.get("ctx") or {}).get("name") or param
+        return ApiError(
+            400, "invalid_parameter", f"'{where}' holds text that is not valid UTF-8 (a lone surrogate)", where
+        )
     if kind == "unsupported_parameter":
         name = (err.get("ctx") or {}).get("name") or param
         return ApiError(400, "unsupported_parameter", str(err.get("msg")), name)

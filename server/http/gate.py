@@ -35,11 +35,13 @@ class Gate:
         request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
-        outcome = {"status": 500, "session": None}
+        outcome = {"status": 500, "session": None, "started": False, "complete": False}
 
         async def send_tracked(message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                outcome["complete"] = True
             if message["type"] == "http.response.start":
-                outcome["status"] = message["status"]
+                outcome["status"], outcome["started"] = message["status"], True
                 for key, value in message.get("headers", []):
                     if key.lower() == b"x-session-id":
                         outcome["session"] = value.decode("latin-1")
@@ -56,7 +58,7 @@ class Gate:
             state["tenant"] = tenant
             replay = await self._read_body(headers, receive, send_tracked)
             if replay is not None:
-                await self.app(scope, replay, send_tracked)
+                await self._answer(scope, replay, send_tracked, outcome)
         finally:
             self._done(scope, state, outcome, time.monotonic() - started)
 
@@ -75,6 +77,18 @@ class Gate:
         )
         if self.on_response is not None:
             self.on_response(route, outcome["status"], seconds)
+
+    async def _answer(self, scope, receive, send, outcome: dict) -> None:
+        """The app's answer; an unexpected error becomes a 500 envelope here, so the connection stays usable
+        (Starlette would send its 500 and re-raise, and uvicorn then drops the keep-alive connection)."""
+        try:
+            await self.app(scope, receive, send)
+        except Exception:
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            if outcome["started"] and not outcome["complete"]:
+                raise  # half a response is out: only closing the connection can tell the client
+            if not outcome["started"]:
+                await _error(send, 500, "internal_error", "internal server error")
 
     def _tenant(self, path: str, headers: dict) -> str | None:
         if not self.keys:

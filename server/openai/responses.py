@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from server.openai.schemas import reject_unsupported
+from server.openai.schemas import WireModel, reject_unsupported
 
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"
 
@@ -64,7 +64,7 @@ class TextConfig(BaseModel):
     verbosity: Literal["medium"] | None = None
 
 
-class ResponseRequest(BaseModel):
+class ResponseRequest(WireModel):
     model_config = ConfigDict(
         extra="forbid",
         json_schema_extra={

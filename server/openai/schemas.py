@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -26,6 +27,36 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """Where the first string holding a lone surrogate (JSON's "\\ud800") sits in a request body, if anywhere.
+
+    Such text cannot be encoded as UTF-8: tokenizers, templates and the journal would all fail on it.
+    """
+    if isinstance(value, str):
+        return path or "body" if SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for name, item in items:
+        found = lone_surrogate_at(item, f"{path}.{name}" if path else str(name))
+        if found is not None:
+            return found
+    return None
+
+
+class WireModel(BaseModel):
+    """A request body: strings must be encodable text (a lone surrogate is a 400 naming where it is)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_lone_surrogates(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise PydanticCustomError("lone_surrogate", "text with a lone surrogate (not valid UTF-8)", {"name": where})
+        return data
+
+
 def reject_unsupported(model: BaseModel, unsupported: dict[str, tuple[Any, ...]]) -> None:
     """A 400 naming the first unimplemented field the client set to something that means "use it"."""
     for name, unused in unsupported.items():
@@ -40,7 +71,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Unsupported(BaseModel):
+class _Unsupported(WireModel):
     """Declares the unimplemented fields so clients get a 400 naming the field they set."""
 
     n: int | None = None
@@ -154,7 +185,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class SessionCreate(BaseModel):
+class SessionCreate(WireModel):
     model_config = ConfigDict(
         extra="forbid",
         json_schema_extra={"examples": [{"model": "smollm2-135m-instruct", "system": "You are terse.", "ttl_s": 3600}]},
@@ -166,7 +197,7 @@ class SessionCreate(BaseModel):
     ttl_s: float | None = Field(None, gt=0, le=365 * 86400, description="idle lifetime; default: the server's")
 
 
-class SessionFork(BaseModel):
+class SessionFork(WireModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"turn": 2}]})
     turn: int | None = Field(
         None,
@@ -176,6 +207,6 @@ class SessionFork(BaseModel):
     ttl_s: float | None = Field(None, gt=0, le=365 * 86400)
 
 
-class SessionRewind(BaseModel):
+class SessionRewind(WireModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"turn": 1}]})
     turn: int = Field(..., ge=0, description="keep turns 1..turn, drop the later ones")

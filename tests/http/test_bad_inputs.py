@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 import httpx
@@ -87,6 +88,16 @@ CASES = [
         "response_not_found",
     ),
     ("sessions: negative ttl", "post", SESSIONS, {"ttl_s": -1}, 400, "invalid_parameter"),
+    *[
+        (f"lone surrogate in {where}", "post", path, body, 400, "invalid_parameter")
+        for where, path, body in (
+            ("chat content", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
+            ("a completion prompt", COMPLETIONS, b'{"model": "tiny", "prompt": "\\ud800"}'),
+            ("responses input", RESPONSES, b'{"model": "tiny", "input": "x\\udfff"}'),
+            ("responses metadata", RESPONSES, b'{"model": "tiny", "input": "x", "metadata": {"k": "\\ud800"}}'),
+            ("a session's system prompt", SESSIONS, b'{"system": "\\ud800"}'),
+        )
+    ],
     ("sessions: rewind of unknown", "post", SESSIONS + "/nope/rewind", {"turn": 0}, 404, "session_not_found"),
     ("sessions: bad id in path", "get", SESSIONS + "/bad%20id", None, 400, "invalid_parameter"),
     ("unknown route", "get", "/v1/nothing", None, 404, "not_found"),
@@ -152,3 +163,54 @@ def test_bad_input_same_session_twice_at_once(server):
     wait_until(lambda: engine.num_active > 0, what="the first request to start")
     check_envelope(send(base, "post", COMPLETIONS, {**long, "max_tokens": 2}), 409, "session_busy")
     first.join(60)
+
+
+def test_a_lone_surrogate_names_where_it_is_and_stores_nothing(server):
+    base = server[0]
+    before = send(base, "get", SESSIONS, None).json()["data"]
+    body = b'{"model": "tiny", "input": "x", "metadata": {"k": "\\ud800"}}'
+    r = send(base, "post", RESPONSES, body)
+    check_envelope(r, 400, "invalid_parameter")
+    assert r.json()["error"]["param"] == "metadata.k"
+    assert send(base, "get", SESSIONS, None).json()["data"] == before
+
+
+def test_an_unexpected_500_keeps_the_connection(server, monkeypatch):
+    from server.serving.completions import Completions
+
+    async def broken(self, *args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(Completions, "completion", broken)
+    host, port = server[0].removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 1}).encode()
+    request = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        first = exchange(sock, request)
+        assert first.startswith(b"HTTP/1.1 500")
+        assert b'"internal_error"' in first
+        assert b"connection: close" not in first.lower()
+        second = exchange(sock, health)  # the same connection serves the next request
+        assert second.startswith(b"HTTP/1.1 200")
+
+
+def exchange(sock: socket.socket, request: bytes) -> bytes:
+    """Send one request and read one whole response (Content-Length framed) off a kept-alive socket."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    length = int(next(line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        rest += chunk
+    return head + b"\r\n\r\n" + rest
