@@ -116,7 +116,11 @@ class _StateCollector:
         kv_bytes.add_metric(["disk"], tiers.disk_bytes)
         evictions.add_metric(["host"], tiers.num_demoted["disk"])
         evictions.add_metric(["disk"], tiers.num_demoted["dropped"])
+        failed = CounterMetricFamily(
+            "kvserve:kv_snapshot_write_failures", "K/V snapshots the disk did not take (dropped, recomputed later)"
+        )
+        failed.add_metric([], tiers.num_failed_writes)
         sessions = GaugeMetricFamily("kvserve:sessions", "Live sessions, by kind", labels=["kind"])
         for kind, count in sorted(collections.Counter(k.kind for k in host.store.session_keys()).items()):
             sessions.add_metric([kind], count)
-        yield from (running, waiting, usage, kv_bytes, evictions, sessions)
+        yield from (running, waiting, usage, kv_bytes, evictions, failed, sessions)

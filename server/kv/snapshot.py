@@ -89,8 +89,12 @@ def save(snapshot: Snapshot, path: Path) -> int:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata=header)
-    os.replace(partial, path)
+    try:
+        save_file(tensors, str(partial), metadata=header)  # safetensors itself writes a `.tmp*` file, then renames
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     return path.stat().st_size
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from server.kv import snapshot as snap_io
 from server.kv.snapshot import Snapshot, SnapshotError, SnapshotMismatch
-from server.sessions.journal import Tombstones, state_path
+from server.sessions.journal import Tombstones, state_path, sweep
 from server.sessions.record import SessionKey
 
 log = logging.getLogger("kvserve.tiers")
@@ -49,6 +49,8 @@ class TierStats:
     num_host: int = 0
     num_disk: int = 0
     num_demoted: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0, "dropped": 0})
+    num_failed_writes: int = 0  # snapshots the disk did not take (dropped: their sessions recompute)
+    num_swept: int = 0  # temporary files a crash left behind, removed at start
 
 
 class TierStore:
@@ -90,8 +92,7 @@ class TierStore:
         """Index the snapshots a previous run left on disk (headers only). Returns how many were found."""
         if self.directory is None or not self.directory.exists():
             return 0
-        for leftover in self.directory.glob("*/*.partial"):  # a write cut short by a crash
-            leftover.unlink(missing_ok=True)
+        self.stats.num_swept = sweep(self.directory, ".safetensors")  # writes a crash cut short
         found = sorted(self.directory.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime)
         for path in found:
             try:
@@ -263,8 +264,6 @@ class TierStore:
                 if key is None:
                     return
                 self._write(key)
-            except Exception:
-                log.exception("writing a K/V snapshot failed")
             finally:
                 self._queue.task_done()
 
@@ -274,7 +273,15 @@ class TierStore:
         if snap is None:
             return  # dropped meanwhile
         path = self.path_for(key)
-        nbytes = snap_io.save(snap, path)
+        try:
+            nbytes = snap_io.save(snap, path)
+        except Exception:  # a full or read-only disk: the K/V is dropped (recomputed later), never kept in RAM for ever
+            log.exception("writing the K/V snapshot of session %s failed; it is dropped", key.name)
+            with self._lock:
+                if self._writing.get(key) is snap:
+                    del self._writing[key]
+                self.stats.num_failed_writes += 1
+            return
         with self._lock:
             if self._writing.get(key) is not snap:
                 if key not in self._writing and key not in self._host:

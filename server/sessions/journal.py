@@ -31,6 +31,20 @@ def state_path(directory: Path, key: SessionKey, suffix: str) -> Path:
     return directory / tenant_dir / f"{key.kind}-{key.name}{suffix}"
 
 
+def sweep(directory: Path, suffix: str) -> int:
+    """Remove what is not a record under `directory/<tenant>/`: temporary files a crash left (ours end in
+    `.partial`, safetensors' start with `.tmp`). Returns how many were removed."""
+    keep = re.compile(rf"(session|response)-{NAME_PATTERN}{re.escape(suffix)}")
+    removed = 0
+    for path in directory.glob("*/*"):
+        if path.is_file() and not keep.fullmatch(path.name):
+            path.unlink(missing_ok=True)
+            removed += 1
+    if removed:
+        log.info("removed %d temporary files left in %s", removed, directory)
+    return removed
+
+
 class Tombstones:
     """Keys deleted lately: a write that raced with the delete must not bring the files back."""
 
@@ -90,8 +104,7 @@ class Journal:
     def load_all(self) -> list[dict[str, Any]]:
         if self.directory is None or not self.directory.exists():
             return []
-        for leftover in self.directory.glob("*/*.partial"):  # a write cut short by a crash
-            leftover.unlink(missing_ok=True)
+        sweep(self.directory, ".json")  # writes a crash cut short
         records = []
         for path in sorted(self.directory.glob("*/*.json")):
             try:

@@ -157,3 +157,31 @@ def test_no_file_name_for_ids_outside_the_pattern(tmp_path):
         with pytest.raises(ValueError, match="no file for"):
             tiers.path_for(SessionKey("t", name))
     tiers.close()
+
+
+def test_a_write_the_disk_refuses_is_dropped_and_counted(tmp_path, monkeypatch):
+    def full_disk(snapshot, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snap_io, "save", full_disk)
+    tiers = TierStore(0, 1 << 30, tmp_path)
+    tiers.put(make("a"))
+    tiers.flush_pending()
+    assert tiers.usage(SessionKey("t", "a")).host_bytes == 0  # not held in RAM for ever
+    assert tiers.totals().num_failed_writes == 1
+    tiers.close()
+
+
+def test_start_up_removes_every_temporary_file_a_crash_left(tmp_path):
+    tiers = TierStore(0, 1 << 30, tmp_path)
+    tiers.put(make("a"))
+    tiers.flush()
+    tiers.close()
+    tenant_dir = tiers.path_for(SessionKey("t", "a")).parent
+    for name in (".tmpS1fPTd", "session-b.safetensors.partial", "session-c.safetensors~"):
+        (tenant_dir / name).write_bytes(b"\0" * 1024)  # safetensors' own temporary name, ours, an editor's
+    again = TierStore(0, 1 << 30, tmp_path)
+    assert again.scan() == 1
+    assert sorted(p.name for p in tenant_dir.iterdir()) == ["session-a.safetensors"]
+    assert again.totals().num_swept == 3
+    again.close()

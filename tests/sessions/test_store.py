@@ -197,3 +197,14 @@ def test_expiring_buckets_with_any_name_touch_no_files(tmp_path):
     assert store.session_keys() == set()
     assert list(tmp_path.iterdir()) == []
     tiers.close()
+
+
+def test_start_up_removes_temporary_journal_files(tmp_path):
+    store = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
+    complete(store, "kept", [1, 2])
+    tenant_dir = next(tmp_path.rglob("session-kept.json")).parent
+    (tenant_dir / "session-kept.json.partial").write_text("{")
+    (tenant_dir / ".tmp123").write_text("x")
+    again = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
+    assert again.restore() == 1
+    assert sorted(p.name for p in tenant_dir.iterdir()) == ["session-kept.json"]
