@@ -68,7 +68,8 @@ class ModelHost:
         log.info("draining: %d requests still running", self.num_active)
 
     def close(self) -> None:
-        """Stop the engines, then write every session's K/V down to disk (transcripts already are)."""
+        """Stop the engines; write every live session record again (a state directory removed meanwhile comes
+        back), then every session's K/V; say what could not be written."""
         self._is_closed = True
         self.is_draining = True
         engines = list(self.engines.values())
@@ -76,16 +77,27 @@ class ModelHost:
             engine.close()  # all at once: each finishes its current step in parallel
         for engine in engines:
             engine.stop()
-        saved = 0
-        for engine in list(self.engines.values()):
+        num_records, unsaved = self.store.save_all()
+        if unsaved:
+            names = ", ".join(key.name for key in unsaved[:20])
+            log.error("could not write the records of %d sessions (they are lost at restart): %s", len(unsaved), names)
+        saved, failed_before = 0, self.tiers.totals().num_failed_writes
+        for engine in engines:
             try:
                 saved += engine.save_sessions()
             except Exception:
                 log.exception("saving the K/V of model %s failed; its sessions will recompute", engine.model_id)
         self.tiers.flush()
         self.tiers.close()
+        failed = self.tiers.totals().num_failed_writes - failed_before
         if self.settings.state_dir:
-            log.info("saved the K/V of %d sessions to %s", saved, self.settings.state_dir)
+            log.info(
+                "saved %d session records and the K/V of %d sessions to %s (%d K/V snapshots could not be written)",
+                num_records,
+                saved - failed,
+                self.settings.state_dir,
+                failed,
+            )
 
     def _load_all(self) -> None:
         for state in self.states.values():

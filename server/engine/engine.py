@@ -111,10 +111,10 @@ class Engine:
             message = f"the engine of model {self.model_id!r} did not answer within {self.query_timeout_s:g} s"
             raise EngineBusy(message) from None
 
-    async def residency(self, items: list[tuple[SessionKey, list[int], list[list[int]]]]) -> list[Residency]:
-        """For each (session, transcript, the tenant's other transcripts): its K/V in the pool, in tokens and in
-        blocks only it reaches or shared (`BlockManager.residency`). Asked on the engine thread; transcripts with
-        no tokens hold nothing and are not asked about.
+    async def residency(self, items: list[tuple[SessionKey, list[int], int]]) -> list[Residency]:
+        """For each (session, transcript, blocks of it another transcript reaches): its K/V in the pool, in
+        tokens and in blocks only it reaches or shared (`BlockManager.residency`). Asked on the engine thread;
+        transcripts with no tokens hold nothing and are not asked about.
         """
         asked = [i for i, (_, transcript, _) in enumerate(items) if transcript]
         found = [Residency(0, 0, 0)] * len(items)

@@ -23,6 +23,7 @@ from server.kv import offload
 from server.kv.blocks import BlockManager
 from server.kv.offload import Offloader
 from server.models.loader import LoadedModel
+from server.sessions.errors import StateUnavailable
 from server.sessions.record import Session
 from server.sessions.store import SessionStore
 
@@ -222,6 +223,8 @@ class EngineLoop:
             return  # already finished
         if seq.session is not None:  # the transcript is journaled here, before the client hears of the end
             event = self._record(seq, seq.session, event if is_complete else None) or event
+            if not self.store.is_live(seq.session.key, seq.session):  # deleted while it ran: none of it is served
+                self.offloader.forget(seq.session.key, seq.token_ids[: seq.num_computed])
         seq.handle.push(event)
         self.num_done += 1
         log.debug("request %s done: %s in %.3f s", seq.request.request_id, event, time.monotonic() - seq.started)
@@ -236,6 +239,9 @@ class EngineLoop:
             turn, failed = None, RECORD_FAILED
         try:
             self.store.release(session, turn)  # releases the session even when journaling raises
+        except StateUnavailable as exc:  # 503: the client hears the turn did not happen, and it did not
+            log.error("request %s: %s", seq.request.request_id, exc.message)
+            failed = Failed(exc.code, f"{exc.message}; the session is as before this turn")
         except Exception:
             log.exception("request %s: its turn could not be recorded", seq.request.request_id)
             failed = RECORD_FAILED

@@ -175,6 +175,14 @@ class BlockManager:
                 freed += 1
         return freed
 
+    def trim(self, block: Block, num_tokens: int) -> None:
+        """An idle cached block keeps only its first `num_tokens` tokens (the rest is never matched again)."""
+        if block.ref_count or num_tokens >= len(block.token_ids):
+            return
+        if block.hash is not None and self._by_hash.get(block.hash) is block:
+            del self._by_hash[block.hash]
+        block.hash, block.token_ids = None, block.token_ids[:num_tokens]
+
     def _push_free(self, block_id: int) -> None:
         self._free.add(block_id)
         heapq.heappush(self._free_heap, block_id)
@@ -196,10 +204,9 @@ class BlockManager:
         match = self.match(salt, token_ids, len(token_ids))
         return match.shared + ([match.partial] if match.partial is not None else []), match.num_tokens
 
-    def residency(self, salt: str, token_ids: list[int], others: list[list[int]]) -> Residency:
-        """A block is shared when more than one running sequence holds it or one of `others` (the same tenant's
-        other transcripts: pass only those) reaches it by prefix."""
+    def residency(self, salt: str, token_ids: list[int], reached: int) -> Residency:
+        """A block is shared when more than one running sequence holds it, or when it is among the first
+        `reached` blocks of the chain (those another transcript of the tenant reaches)."""
         blocks, num_tokens = self.chain(salt, token_ids)
-        elsewhere = {b.block_id for ids in others for b in self.chain(salt, ids)[0]}
-        num_shared = sum(1 for b in blocks if b.block_id in elsewhere or b.ref_count > 1)
+        num_shared = sum(1 for i, b in enumerate(blocks) if i < reached or b.ref_count > 1)
         return Residency(num_tokens, len(blocks) - num_shared, num_shared)

@@ -22,7 +22,6 @@ from server.sessions.store import SessionStore
 
 log = logging.getLogger("kvserve.engine")
 MAX_PENDING_BYTES = 1 << 30  # at shutdown, snapshots waiting for the disk writer
-MAX_SESSIONS_WALKED = 256  # above this, a delete leaves its blocks to the LRU instead of walking every session
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -97,21 +96,20 @@ class Offloader:
                 return
 
     def discard_forgotten(self) -> None:
-        """A deleted or expired session's K/V leaves the pool too, unless another session reaches it.
-
-        The walk is skipped for tenants with very many sessions (the blocks are unreferenced and the
-        LRU reclaims them).
-        """
-        by_tenant: dict[str, list[list[int]]] = {}
+        """Deleted or expired sessions' K/V leaves the pool too, but for what another session still reaches."""
         for key, token_ids in self.store.take_forgotten(self.model_id):
-            by_tenant.setdefault(key.tenant, []).append(token_ids)
-        for tenant, transcripts in by_tenant.items():
-            others = self.store.others(SessionKey(tenant, ""), self.model_id)
-            if len(others) > MAX_SESSIONS_WALKED:
-                continue
-            kept = {b.block_id for ids in others for b in self.manager.chain(tenant, ids)[0]}
-            gone = [b for ids in transcripts for b in self.manager.chain(tenant, ids)[0]]
-            self.manager.discard([b for b in gone if b.block_id not in kept])
+            self.forget(key, token_ids)
+
+    def forget(self, key: SessionKey, token_ids: list[int]) -> None:
+        """Drop the pool blocks only `key`'s transcript reaches: all but the full blocks within the prefix another
+        session shares (ones a running sequence holds stay: the engine forgets a deleted session's blocks again
+        when its request finishes)."""
+        reach = self.store.reach(key, self.model_id, token_ids)
+        blocks, _ = self.manager.chain(key.tenant, token_ids)
+        kept = reach.num_blocks(self.manager.block_size)
+        if reach.is_whole and kept and kept <= len(blocks) and reach.num_tokens % self.manager.block_size:
+            self.manager.trim(blocks[kept - 1], reach.num_tokens % self.manager.block_size)  # the rest was its own
+        self.manager.discard(blocks[kept:])
 
     def save_all(self) -> int:
         """At shutdown: every idle session's K/V the pool holds goes down a tier. Returns how many."""

@@ -52,6 +52,7 @@ class LoadedModel:
     vocab_size: int
     max_context: int
     eos_ids: frozenset[int]
+    max_token_bytes: int = 64  # no token stands for more UTF-8 bytes of text: bytes / this <= tokens
 
 
 def read_specs(models_file: Path) -> list[ModelSpec]:
@@ -161,6 +162,7 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
         vocab_size=model.get_output_embeddings().weight.shape[0],
         max_context=int(max_context),
         eos_ids=_eos_ids(model, tokenizer),
+        max_token_bytes=_max_token_bytes(tokenizer),
     )
 
 
@@ -169,6 +171,12 @@ def _read_template(spec: ModelSpec) -> str:
     if "{{" in template or "{%" in template:
         return template  # a template, not a path (one may be longer than a file name may be)
     return (Path(spec.base_dir) / template).read_text()
+
+
+def _max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes of text one token covers: 4 per character of its longest vocabulary
+    entry (byte-level vocabularies write one character per byte, so this is loose, never short)."""
+    return 4 * max((len(token) for token in tokenizer.get_vocab()), default=16)
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -22,6 +22,7 @@ TYPES = {
 # The codes the engine and the session store answer with -> HTTP status.
 CODE_STATUS = {
     "session_busy": 409,
+    "session_mode_mismatch": 409,
     "session_model_mismatch": 400,
     "context_length_exceeded": 400,
     "server_overloaded": 429,
@@ -31,6 +32,7 @@ CODE_STATUS = {
     "quota_exceeded": 429,
     "shutting_down": 503,
     "not_ready": 503,
+    "state_unavailable": 503,
     "internal_error": 500,
     "cancelled": 499,
     "session_not_found": 404,

@@ -23,7 +23,7 @@ from server.openai.errors import CODE_STATUS, ApiError, error_body
 from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.serving import continuation
 from server.serving.core import SESSION_HEADER, Serving, cache_headers, cancel_on_disconnect, session_key
-from server.serving.prompts import chat_messages, completion_ids, sampling_params
+from server.serving.prompts import chat_messages, check_text_size, completion_ids, sampling_params
 from server.sessions.record import Session, SessionKey
 
 SEND_TIMEOUT_S = 60  # a client that accepts no bytes for this long is disconnected
@@ -48,20 +48,29 @@ class Completions:
     async def completion(self, req: CompletionRequest, http: Request, tenant: str) -> Any:
         engine = self.serving.engine(req.model)
         key = session_key(req, http, tenant)
-        ids = completion_ids(req, engine.loaded)
+        _check_mode(key, self._view(key, engine), is_chat=False)
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            check_text_size(engine.loaded, [prompt], "prompt")
+        ids = await asyncio.to_thread(completion_ids, req, engine.loaded)  # tokenizing: off the event loop
         return await self._run(req, http, Turn(engine, tenant, key, ids, None), req.max_tokens, req.logprobs)
 
     async def chat(self, req: ChatCompletionRequest, http: Request, tenant: str) -> Any:
         engine = self.serving.engine(req.model)
         key = session_key(req, http, tenant)
-        view = self.serving.store.view(key) if key is not None and not key.is_bucket else None
-        if view is not None and view.model_id != engine.model_id:
-            view = None  # admission answers session_model_mismatch
+        view = self._view(key, engine)
+        _check_mode(key, view, is_chat=True)
         messages = with_session_system(chat_messages(req), view)
-        ids = continuation.prompt_ids(engine.loaded, messages, view)
+        check_text_size(engine.loaded, [m["content"] for m in messages], "messages")
+        ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, view)  # off the loop
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         turn = Turn(engine, tenant, key, ids, messages)
         return await self._run(req, http, turn, req.output_limit(), num_logprobs)
+
+    def _view(self, key: SessionKey | None, engine: Engine) -> Session | None:
+        """The named session as it is (None: no session, a bucket, or another model's: admission says so)."""
+        view = self.serving.store.view(key) if key is not None and not key.is_bucket else None
+        return view if view is not None and view.model_id == engine.model_id else None
 
     async def _run(
         self, req: SamplingFields, http: Request, turn: Turn, max_tokens: int | None, num_logprobs: int | None
@@ -96,6 +105,16 @@ class Completions:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return event_stream(_sse(handle, events, meta, token_text, include_usage), headers)
         return await _collect(handle, events, http, meta, token_text, headers)
+
+
+def _check_mode(key: SessionKey | None, view: Session | None, is_chat: bool) -> None:
+    """409 instead of silently replacing a session's transcript with one of the other kind: a completion on a
+    chat session (it holds messages) or a chat turn on a completion session (a transcript, no messages)."""
+    if key is None or view is None or not view.transcript_ids or bool(view.messages) == is_chat:
+        return
+    use = "/v1/chat/completions" if view.messages else "/v1/completions"
+    message = f"session {key.name!r} holds a {'chat' if view.messages else 'completion'} transcript: use {use}"
+    raise ApiError(409, "session_mode_mismatch", message, "session_id")
 
 
 def event_stream(events: AsyncIterator[ServerSentEvent], headers: dict[str, str]) -> EventSourceResponse:

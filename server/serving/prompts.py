@@ -17,6 +17,19 @@ class Prompt:
     messages: list[dict] | None  # chat: what the ids render (kept in the session record); None for completions
 
 
+def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
+    """A prompt whose text alone must exceed the context is refused by its size, before any tokenizing:
+    no token covers more than `max_token_bytes` bytes, so bytes / max_token_bytes tokens at least."""
+    num_bytes = sum(len(text.encode()) for text in texts)
+    at_least = num_bytes // loaded.max_token_bytes
+    if at_least > loaded.max_context:
+        message = (
+            f"this model's context is {loaded.max_context} tokens; {num_bytes} bytes of text are at least "
+            f"{at_least} tokens"
+        )
+        raise ApiError(400, "context_length_exceeded", message, param)
+
+
 def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
     prompt = req.single_prompt()
     if isinstance(prompt, str):

@@ -28,7 +28,7 @@ from server.openai.responses import ResponseRequest, message_item, response_obje
 from server.serving import continuation
 from server.serving.completions import event_stream, failure
 from server.serving.core import Serving, cache_headers, cancel_on_disconnect
-from server.serving.prompts import output_budget
+from server.serving.prompts import check_text_size, output_budget
 from server.sessions.record import CompletedTurn, Session, SessionKey, Usage
 from server.sessions.store import SessionStore
 
@@ -109,7 +109,8 @@ class Responses:
         engine = serving.engine(req.model)
         parent = self._parent(req, tenant, engine.model_id)
         messages = self._messages(req, parent)
-        prompt_ids = continuation.prompt_ids(engine.loaded, messages, parent)
+        check_text_size(engine.loaded, [m["content"] for m in messages], "input")
+        prompt_ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, parent)
         budget = output_budget(
             engine.loaded, len(prompt_ids), req.max_output_tokens, s.default_max_tokens, s.max_tokens_limit
         )

@@ -6,6 +6,7 @@ here); its host and disk snapshots by the tiers.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import uuid
 from collections.abc import Callable
@@ -13,10 +14,12 @@ from typing import Any, NamedTuple, TypeVar
 
 from server.engine.engine import Engine
 from server.engine.request import Failed, SamplingParams
+from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
 from server.openai.schemas import SessionCreate
 from server.serving import continuation
 from server.serving.core import Serving
+from server.serving.prompts import check_text_size
 from server.sessions.errors import SessionError
 from server.sessions.record import SessionInfo, SessionKey
 
@@ -57,7 +60,8 @@ class Sessions:
             return await self.describe(key)
         loaded = engine.loaded
         messages = [{"role": "system", "content": body.system}]
-        ids = continuation.tokenize(loaded, continuation.render(loaded, messages, add_generation_prompt=False))
+        check_text_size(loaded, [body.system], "system")
+        ids = await asyncio.to_thread(_render_ids, loaded, messages)  # off the event loop
         if len(ids) >= loaded.max_context:
             message = f"the system prompt has {len(ids)} tokens; this model's context is {loaded.max_context}"
             raise ApiError(400, "context_length_exceeded", message, "system")
@@ -96,23 +100,19 @@ class Sessions:
         return self._body(info, device, with_sharing=True)
 
     async def list_page(self, tenant: str, limit: int, after: str | None) -> dict[str, Any]:
-        infos = self.store.of_tenant(tenant)
-        if after is not None:
-            names = [i.key.name for i in infos]
-            infos = infos[names.index(after) + 1 :] if after in names else []
-        page = infos[:limit]
+        page, has_more = self.store.page(tenant, "session", limit, after)
         devices = await self._residency(page, with_sharing=False)
         return {
             "object": "list",
             "data": [self._body(info, device, with_sharing=False) for info, device in zip(page, devices, strict=True)],
-            "has_more": len(infos) > limit,
+            "has_more": has_more,
             "last_id": page[-1].key.name if page else None,
         }
 
     async def _residency(self, infos: list[SessionInfo], with_sharing: bool) -> list[Device]:
         """Each session's K/V in its engine's pool; one question per engine, asked on its thread.
 
-        `with_sharing=False` (lists) skips the exclusive/shared split, which walks the tenant's other sessions.
+        `with_sharing=False` (lists) does not ask who else reaches the blocks: shared bytes are not reported.
         """
         found = [Device(0, 0, 0)] * len(infos)
         by_model: dict[str, list[int]] = {}
@@ -125,8 +125,10 @@ class Sessions:
             items = []
             for index in indices:
                 key = infos[index].key
-                others = self.store.others(key, model_id) if with_sharing else []
-                items.append((key, self.store.transcript(key), others))
+                transcript = self.store.transcript(key)
+                reach = self.store.reach(key, model_id, transcript) if with_sharing else None
+                reached = reach.num_blocks(engine.config.block_size) if reach else 0
+                items.append((key, transcript, reached))
             for index, usage in zip(indices, await engine.residency(items), strict=True):
                 bb = engine.block_bytes
                 found[index] = Device(usage.num_tokens, usage.num_exclusive * bb, usage.num_shared * bb)
@@ -158,15 +160,17 @@ class Sessions:
         }
 
     async def fork(self, key: SessionKey, turn: int | None, ttl_s: float | None) -> dict[str, Any]:
-        info = self.store.info(key)
-        if info is None:
+        """A new session holding `key`'s first turns; its K/V is found by prefix (blocks shared with the parent)."""
+        parent = self.store.view(key)
+        if parent is None:
             raise not_found(key.name)
         new_key = SessionKey(key.tenant, new_session_id())
-        engine = self.host.engines.get(info.model_id)
+        engine = self.host.engines.get(parent.model_id)
         if engine is not None:
-            self.serving.check_quota(new_key, info.num_transcript_tokens, engine)
-        num_turns = info.num_turns if turn is None else turn
-        _refusing(lambda: self.store.fork(key, new_key, num_turns, ttl_s), key)
+            self.serving.check_quota(new_key, len(parent.transcript_ids), engine)
+        fields = _refusing(lambda: parent.branch(parent.num_turns if turn is None else turn), key)
+        ttl = parent.ttl_s if ttl_s is None else ttl_s
+        _refusing(lambda: self.store.create(new_key, parent.model_id, ttl, **fields), key)
         return await self.describe(new_key)
 
     async def rewind(self, key: SessionKey, turn: int) -> dict[str, Any]:
@@ -177,6 +181,10 @@ class Sessions:
         if not self.store.delete(key):
             raise not_found(key.name)
         return {"id": key.name, "object": "session.deleted", "deleted": True}
+
+
+def _render_ids(loaded: LoadedModel, messages: list[dict[str, Any]]) -> list[int]:
+    return continuation.tokenize(loaded, continuation.render(loaded, messages, add_generation_prompt=False))
 
 
 def _refusing(change: Callable[[], T], key: SessionKey) -> T:

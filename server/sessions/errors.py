@@ -23,3 +23,9 @@ class SessionNotFound(SessionError):
 
 class InvalidTurn(SessionError):
     code = "invalid_parameter"
+
+
+class StateUnavailable(SessionError):
+    """The journal could not record a change: it was not applied either (memory and disk never disagree)."""
+
+    code = "state_unavailable"

@@ -89,6 +89,16 @@ class Journal:
             partial.write_text(json.dumps(record, separators=(",", ":")))
             os.replace(partial, path)  # atomic: a reader sees the old turn or the new one, never half
 
+    def save_all(self, records: list[tuple[SessionKey, dict[str, Any]]]) -> list[SessionKey]:
+        """Write each record; returns the keys whose write failed."""
+        failed = []
+        for key, record in records:
+            try:
+                self.save(key, record)
+            except OSError:
+                failed.append(key)
+        return failed
+
     def revive(self, key: SessionKey) -> None:
         """A new session under a name that was deleted before."""
         with self._lock:
@@ -98,8 +108,8 @@ class Journal:
         if self.directory is None or key.is_bucket:
             return
         with self._lock:
+            self.path_for(key).unlink(missing_ok=True)  # raises (read-only, gone bad) with nothing forgotten
             self._deleted.add(key)
-            self.path_for(key).unlink(missing_ok=True)
 
     def load_all(self) -> list[dict[str, Any]]:
         if self.directory is None or not self.directory.exists():

@@ -7,7 +7,7 @@ about tensors: K/V lives in server/kv, found by the transcript's prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -83,6 +83,17 @@ class Session:
             self.messages = [*turn.messages, *reply]
         mark = Turn(len(self.transcript_ids), len(self.messages))
         self.turns = [mark] if turn.is_base else [*self.turns, mark]
+
+    def with_turn(
+        self, turn: CompletedTurn, hook: Callable[[dict[str, Any], CompletedTurn], None] | None, now: float
+    ) -> Session:
+        """A copy with `turn` applied (and the kind's `hook` on its extras), last used at wall time `now`."""
+        staged = self.copy()
+        staged.apply(turn)
+        if hook is not None:
+            hook(staged.extras, turn)
+        staged.last_use_wall = now
+        return staged
 
     def copy(self) -> Session:
         """A detached copy, safe to read or change outside the store's lock."""

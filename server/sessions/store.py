@@ -1,9 +1,10 @@
 """The session store: records, busy locks and TTL for every session, response and cache bucket (torch-free).
 
-Thread-safe: the event loop admits and inspects sessions while the engine threads run them.
-The transcript is the source of truth, journaled when a turn completes; K/V is found by the
-transcript's prefix in server/kv and may be lost. Deleting or expiring a session removes its
-journal record and tells the K/V tiers (`Forgetter`s) to drop theirs.
+Thread-safe: the event loop admits and inspects sessions while the engine threads run them. Every change
+(create, turn, rewind, fork, delete) is journaled before it is applied: one the journal refuses raises
+StateUnavailable and leaves memory as it was, so what the API answered is what a restart finds. Deleting
+or expiring a session tells the K/V tiers (`Forgetter`s) to drop theirs too. A request's cost here does
+not grow with the number of sessions (server/sessions/index.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from server.sessions.errors import SessionBusy, SessionModelMismatch, SessionNotFound
+from server.sessions.errors import SessionBusy, SessionModelMismatch, SessionNotFound, StateUnavailable
+from server.sessions.index import Reach, SessionIndex
 from server.sessions.journal import Journal
 from server.sessions.record import CompletedTurn, Session, SessionInfo, SessionKey
 
@@ -46,6 +48,7 @@ class SessionStore:
         self._clock, self._wall = clock, wall_clock
         self._lock = threading.Lock()
         self._sessions: dict[SessionKey, Session] = {}
+        self._index = SessionIndex()
         self._turn_hooks: dict[str, TurnHook] = {}
         self._forgotten: deque[tuple[str, SessionKey, list[int]]] = deque(maxlen=10_000)  # for the engines
 
@@ -63,7 +66,10 @@ class SessionStore:
         return Session(key, model_id, ttl_s=ttl, created_at=wall, last_use=now, last_use_wall=wall)
 
     def create(self, key: SessionKey, model_id: str, ttl_s: float | None = None, **fields: Any) -> Session:
-        """A new, idle session (POST /v1/sessions, forks, responses). Raises SessionBusy when the id is taken."""
+        """A new, idle session (POST /v1/sessions, forks, responses), journaled before it exists.
+
+        Raises SessionBusy when the id is taken, StateUnavailable when the journal refuses it.
+        """
         with self._lock:
             self._expire_locked()
             if key in self._sessions:
@@ -71,9 +77,8 @@ class SessionStore:
             session = self._new(key, model_id, ttl_s)
             for name, value in fields.items():
                 setattr(session, name, value)
-            self._sessions[key] = session
-            record = session.to_record()
-        self.journal.save(key, record)
+            self._save(key, session.to_record())
+            self._insert(session)
         return session
 
     def restore(self) -> int:
@@ -81,9 +86,18 @@ class SessionStore:
         sessions = self.journal.load_sessions(self._clock(), self._wall())
         with self._lock:
             for session in sessions:
-                self._sessions.setdefault(session.key, session)
+                if session.key not in self._sessions:
+                    self._insert(session)
         self.expire()
         return len(sessions)
+
+    def save_all(self) -> tuple[int, list[SessionKey]]:
+        """At shutdown: every live record written again (a state directory removed meanwhile comes back).
+        Returns how many were written, and the keys it could not write."""
+        with self._lock:
+            records = [(k, s.to_record()) for k, s in self._sessions.items() if not k.is_bucket]
+        failed = self.journal.save_all(records)
+        return len(records) - len(failed), failed
 
     # -- a request's turn -----------------------------------------------------------
     def acquire(self, key: SessionKey, model_id: str) -> Session | None:
@@ -92,7 +106,8 @@ class SessionStore:
             self._expire_locked()
             session = self._sessions.get(key)
             if session is None:
-                session = self._sessions[key] = self._new(key, model_id, None)
+                session = self._new(key, model_id, None)
+                self._insert(session)
             if session.model_id != model_id:
                 if key.is_bucket:
                     return None
@@ -105,12 +120,13 @@ class SessionStore:
                 raise SessionBusy(f"session {key.name!r} already has a request in flight")
             session.is_in_use = True
             session.last_use, session.last_use_wall = self._clock(), self._wall()
+            self._index.busy(session)
             return session
 
     def release(self, session: Session, turn: CompletedTurn | None = None) -> None:
-        """Give the session back; a completed `turn` is applied and journaled before this returns.
+        """Give the session back; a completed `turn` is journaled, then applied, before this returns.
 
-        Raises (disk full...) with the session as it was before the turn, and released.
+        Raises StateUnavailable (disk full...) with the session as it was before the turn, and released.
         """
         staged = None
         try:
@@ -118,24 +134,23 @@ class SessionStore:
                 staged = self._journal_turn(session, turn)  # on disk before the client hears the turn ended
         finally:
             with self._lock:
+                is_live = self._sessions.get(session.key) is session
+                if staged is not None and is_live:
+                    self._index.retranscribe(session, staged.transcript_ids)
                 if staged is not None:
                     session.transcript_ids, session.turns = staged.transcript_ids, staged.turns
                     session.messages, session.extras = staged.messages, staged.extras
                 session.is_in_use = False
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
+                if is_live:
+                    self._index.touch(session)
 
     def _journal_turn(self, session: Session, turn: CompletedTurn) -> Session:
         """The session with `turn` applied, written to the journal; raises with nothing changed."""
         with self._lock:
-            staged = session.copy()
-            staged.apply(turn)
-            hook = self._turn_hooks.get(session.key.kind)
-            if hook is not None:
-                hook(staged.extras, turn)
-            staged.last_use_wall = self._wall()
-            record = staged.to_record() if self._sessions.get(session.key) is session else None
-        if record is not None:
-            self.journal.save(session.key, record)  # Journal.save skips a session deleted meanwhile
+            staged = session.with_turn(turn, self._turn_hooks.get(session.key.kind), self._wall())
+            if self._sessions.get(session.key) is session:  # deleted meanwhile: its state belongs to nobody
+                self._save(session.key, staged.to_record())
         return staged
 
     # -- reading ----------------------------------------------------------------------
@@ -145,11 +160,19 @@ class SessionStore:
             session = self._sessions.get(key)
             return None if session is None else SessionInfo.of(session)
 
-    def of_tenant(self, tenant: str, kind: str = "session") -> list[SessionInfo]:
+    def page(self, tenant: str, kind: str, limit: int, after: str | None = None) -> tuple[list[SessionInfo], bool]:
+        """Up to `limit` of the tenant's sessions of `kind`, oldest first, after the one named `after`;
+        and whether more follow. Costs the page, not the tenant's number of sessions."""
         with self._lock:
             self._expire_locked()
-            found = [s for s in self._sessions.values() if s.key.tenant == tenant and s.key.kind == kind]
-            return [SessionInfo.of(s) for s in sorted(found, key=lambda s: s.created_at)]
+            start = None
+            if after is not None:
+                anchor = self._sessions.get(SessionKey(tenant, after, kind))
+                if anchor is None:
+                    return [], False
+                start = (anchor.created_at, anchor.key.name)
+            keys = self._index.page(tenant, kind, start, limit + 1)
+            return [SessionInfo.of(self._sessions[k]) for k in keys[:limit]], len(keys) > limit
 
     def view(self, key: SessionKey) -> Session | None:
         """A detached copy (transcript, turns, messages, extras), for building a prompt."""
@@ -163,46 +186,33 @@ class SessionStore:
             session = self._sessions.get(key)
             return list(session.transcript_ids) if session else []
 
-    def others(self, key: SessionKey, model_id: str) -> list[list[int]]:
-        """Transcripts of the tenant's other sessions and responses on a model (who may share K/V blocks)."""
+    def reach(self, key: SessionKey, model_id: str, transcript: list[int]) -> Reach:
+        """How much of `transcript` another session or response of `key`'s tenant on the model shares: the K/V
+        blocks holding it are reached by someone else."""
         with self._lock:
-            found = [s for k, s in self._sessions.items() if k != key and k.tenant == key.tenant]
-            return [list(s.transcript_ids) for s in found if not s.key.is_bucket and s.model_id == model_id]
+            return self._index.reach(key.tenant, model_id, transcript, exclude=key)
 
     def idle_transcripts(self, model_id: str) -> list[tuple[SessionKey, list[int]]]:
-        """Idle sessions and responses of a model, least recently used first: what may leave the device."""
+        """Idle sessions and responses of a model with a transcript, least recently used first."""
         with self._lock:
-            idle = [s for s in self._sessions.values() if s.model_id == model_id and not s.is_in_use]
-            idle = [s for s in idle if not s.key.is_bucket and s.transcript_ids]
-            idle.sort(key=lambda s: s.last_use)
-            return [(s.key, list(s.transcript_ids)) for s in idle]
+            found = [(k, self._sessions[k].transcript_ids) for k in self._index.idle(model_id)]
+            return [(k, list(ids)) for k, ids in found if ids]
 
     def tenant_usage(self, tenant: str, exclude: SessionKey) -> tuple[int, int]:
-        """(entries of `exclude`'s kind, transcript tokens of its sessions and responses), `exclude` left out."""
+        """(entries of `exclude`'s kind family, transcript tokens of its sessions and responses), `exclude` left out."""
         with self._lock:
-            mine = [(k, s) for k, s in self._sessions.items() if k.tenant == tenant and k != exclude]
-            same = sum(1 for k, _ in mine if k.is_bucket == exclude.is_bucket)
-            return same, sum(len(s.transcript_ids) for k, s in mine if not k.is_bucket)
+            return self._index.usage(tenant, exclude, self._sessions.get(exclude))
 
     def session_keys(self, kind: str | None = None) -> set[SessionKey]:
         with self._lock:
             return {k for k in self._sessions if kind is None or k.kind == kind}
 
-    def is_live(self, key: SessionKey) -> bool:
+    def is_live(self, key: SessionKey, session: Session | None = None) -> bool:
+        """Whether `key` names a session (`session` itself, when given: not a new one under a deleted name)."""
         with self._lock:
-            return key in self._sessions
+            return key in self._sessions if session is None else self._sessions.get(key) is session
 
     # -- changing ---------------------------------------------------------------------
-    def fork(self, key: SessionKey, new_key: SessionKey, num_turns: int, ttl_s: float | None = None) -> Session:
-        """A new session holding `key`'s first `num_turns` turns; its K/V is found by prefix (shared blocks)."""
-        with self._lock:
-            parent = self._sessions.get(key)
-            if parent is None:
-                raise SessionNotFound(f"no session {key.name!r}")
-            fields = parent.branch(num_turns)
-            ttl = parent.ttl_s if ttl_s is None else ttl_s
-        return self.create(new_key, parent.model_id, ttl, **fields)
-
     def rewind(self, key: SessionKey, num_turns: int) -> Session:
         with self._lock:
             session = self._sessions.get(key)
@@ -211,21 +221,30 @@ class SessionStore:
             if session.is_in_use:
                 raise SessionBusy(f"session {key.name!r} has a request in flight")
             session.check_turn(num_turns)
-            session.cut(num_turns)
+            staged = session.copy()
+            staged.cut(num_turns)
+            self._save(key, staged.to_record())
+            self._index.retranscribe(session, staged.transcript_ids)
+            session.turns, session.messages = staged.turns, staged.messages
             session.last_use, session.last_use_wall = self._clock(), self._wall()
-            record = session.to_record()
-        self.journal.save(key, record)
+            self._index.touch(session)
         return session
 
     def delete(self, key: SessionKey) -> bool:
-        """Forget a session everywhere. One in use is detached: its request finishes, its state is then dropped."""
+        """Forget a session everywhere; its journal record goes first (StateUnavailable: nothing forgotten).
+        One in use is detached: its request finishes, its state is then dropped."""
         with self._lock:
-            session = self._sessions.pop(key, None)
-            if session is not None:
-                self._forgotten.append((session.model_id, key, session.transcript_ids))
-        if session is not None:
-            self._forget(key)
-        return session is not None
+            session = self._sessions.get(key)
+            if session is None:
+                return False
+            if not key.is_bucket:
+                try:
+                    self.journal.delete(key)
+                except OSError as exc:
+                    raise StateUnavailable(f"session {key.name!r} could not be deleted: {exc.strerror}") from exc
+            self._remove(session)
+        self._drop_tiers(key)
+        return True
 
     def expire(self) -> None:
         with self._lock:
@@ -242,22 +261,39 @@ class SessionStore:
             return mine
 
     # -- internals (lock held) --------------------------------------------------------
-    def _forget(self, key: SessionKey) -> None:
-        if key.is_bucket:
-            return  # a bucket has no files
+    def _save(self, key: SessionKey, record: dict[str, Any]) -> None:
         try:
-            self.journal.delete(key)
+            self.journal.save(key, record)
+        except OSError as exc:
+            raise StateUnavailable(f"session {key.name!r} could not be saved: {exc.strerror or exc}") from exc
+
+    def _insert(self, session: Session) -> None:
+        self._sessions[session.key] = session
+        self._index.add(session)
+
+    def _remove(self, session: Session) -> None:
+        del self._sessions[session.key]
+        self._index.remove(session)
+        if not session.key.is_bucket:
+            self._forgotten.append((session.model_id, session.key, session.transcript_ids))
+
+    def _drop_tiers(self, key: SessionKey) -> None:
+        try:
             for forgetter in self._forgetters:
                 forgetter.drop(key)
-        except Exception:  # never let a file system error escape into the engine's idle tick
-            log.exception("removing the files of session %s failed", key.name)
+        except Exception:  # its record is gone: snapshots without one are removed at the next start
+            log.exception("removing the K/V snapshots of session %s failed", key.name)
 
     def _expire_locked(self) -> None:
         """Drop idle sessions past their TTL, and their files; a session in use never expires."""
-        now = self._clock()
-        expired = [k for k, s in self._sessions.items() if not s.is_in_use and s.last_use + s.ttl_s < now]
-        for key in expired:
-            session = self._sessions.pop(key)
-            if not key.is_bucket:
-                self._forgotten.append((session.model_id, key, session.transcript_ids))
-            self._forget(key)  # file unlinks: quick enough to do under the lock
+        for key in self._index.due(self._clock()):
+            session = self._sessions[key]
+            if session.is_in_use:
+                continue  # touched again when released
+            try:
+                if not key.is_bucket:
+                    self.journal.delete(key)
+            except OSError:  # it expires again at the next start
+                log.exception("the record of expired session %s could not be removed", key.name)
+            self._remove(session)
+            self._drop_tiers(key)  # file unlinks: quick enough to do under the lock

@@ -7,9 +7,13 @@ import json
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
+from server.app import create_app
 from server.sessions.record import SessionKey
+from server.settings import Settings
 from tests.helpers import reference_greedy, wait_until
+from tests.http.conftest import wait_ready
 
 RESPONSES = "/v1/responses"
 
@@ -82,10 +86,14 @@ def test_delete_and_retention(client):
     r = create(client, input="Hello").json()
     assert client.delete(f"{RESPONSES}/{r['id']}").json()["deleted"] is True
     assert client.get(f"{RESPONSES}/{r['id']}").status_code == 404
-    store = client.app.state.host.store
-    old = create(client, input="Hello again").json()
-    store._sessions[SessionKey("default", old["id"], "response")].ttl_s = 0.05  # as if retention were 50 ms
-    wait_until(lambda: client.get(f"{RESPONSES}/{old['id']}").status_code == 404, what="the response to expire")
+
+
+def test_stored_responses_expire_after_their_retention(tiny_spec):
+    with TestClient(create_app(Settings(response_retention_s=0.2), specs=[tiny_spec])) as short:
+        wait_ready(short)
+        old = create(short, input="Hello again").json()
+        assert short.get(f"{RESPONSES}/{old['id']}").status_code == 200
+        wait_until(lambda: short.get(f"{RESPONSES}/{old['id']}").status_code == 404, what="the response to expire")
 
 
 def sse(response) -> list[tuple[str, dict]]:

@@ -151,7 +151,7 @@ async def test_a_turn_that_cannot_be_journaled_fails_alone(tiny, tmp_path):
             run(engine, prompt, session="full", rid="a", max_tokens=3),
             run(engine, prompt, session="fine", rid="b", max_tokens=3),
         )
-        assert results[0].error.code == "internal_error"
+        assert results[0].error.code == "state_unavailable"  # 503: the turn did not happen
         assert results[1].error is None
         assert store.info(SessionKey("default", "full")).num_turns == 0  # as before the turn
         assert not store.info(SessionKey("default", "full")).is_in_use

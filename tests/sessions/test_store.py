@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from server.kv.tiers import TierStore
-from server.sessions.errors import SessionBusy, SessionModelMismatch
+from server.sessions.errors import SessionBusy, SessionModelMismatch, StateUnavailable
 from server.sessions.journal import Journal
 from server.sessions.record import CompletedTurn, SessionKey, Usage
 from server.sessions.store import SessionStore
@@ -135,7 +135,7 @@ def test_a_turn_the_journal_cannot_write_is_not_applied(tmp_path):
 
     store = SessionStore(ttl_s=3600, journal=FullDisk(tmp_path))
     session = store.acquire(key("j"), "m")
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(StateUnavailable, match="No space left"):
         store.release(session, turn([1, 2, 3]))
     info = store.info(key("j"))
     assert info.num_turns == 0
@@ -154,7 +154,7 @@ def test_a_journal_write_that_fails_part_way_leaves_the_previous_record_loadable
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Path, "write_text", torn)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(StateUnavailable, match="No space left"):
         store.release(store.acquire(key("p"), "m"), turn([1, 2, 3, 4, 5]))
     monkeypatch.undo()
     again = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
