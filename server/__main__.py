@@ -37,6 +37,9 @@ OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or th
     "--max-sessions-per-tenant": "max_sessions_per_tenant",
     "--max-tenant-kv-bytes": "max_tenant_kv_bytes",
     "--max-unread-events": "max_unread_events",
+    "--max-connections": "max_connections",
+    "--header-timeout-s": "header_timeout_s",
+    "--body-timeout-s": "body_timeout_s",
     "--log-prompts": "log_prompts",
     "--log-level": "log_level",
 }
@@ -62,12 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from server.app import create_app
+    from server.http.connections import ConnectionGuard, default_max_connections, raise_descriptor_limit
 
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler it found
     # installed. A graceful stop is a success: leave no-op handlers there so the process exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     app = create_app(settings)
+    limit = raise_descriptor_limit()
+    guard = ConnectionGuard(settings.max_connections or default_max_connections(limit), settings.header_timeout_s)
+    logging.getLogger("kvserve").info("at most %d open connections", guard.max_connections)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -75,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=settings.log_level,
         timeout_graceful_shutdown=1,
         access_log=False,  # the gate writes one line per request, with its ids
+        http=guard.protocol(),
     )
     _draining_server()(config, app, settings.shutdown_grace_s).run()
     return 0

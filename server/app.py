@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -13,6 +14,7 @@ from server import __version__
 from server.hosting import ModelHost
 from server.http import errors
 from server.http.auth import KeyRing, announce, load_keys
+from server.http.connections import throttle_accept_errors
 from server.http.gate import Gate
 from server.http.routes import chat, completions, health, metrics, models, responses, sessions
 from server.metrics import Metrics
@@ -32,6 +34,7 @@ def lifespan_of(settings: Settings, specs: list[ModelSpec] | None, keys: KeyRing
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        throttle_accept_errors(asyncio.get_running_loop())
         host = ModelHost(settings, specs)
         app.state.host = host
         app.state.metrics = metrics = Metrics(host)
@@ -67,7 +70,12 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
             app.state.metrics.on_response(route, status, seconds)
 
     app.add_middleware(
-        Gate, keys=keys, max_body_bytes=settings.max_request_bytes, open_paths=open_paths, on_response=count
+        Gate,
+        keys=keys,
+        max_body_bytes=settings.max_request_bytes,
+        body_timeout_s=settings.body_timeout_s,
+        open_paths=open_paths,
+        on_response=count,
     )
     cap_output_tokens(app, settings.max_tokens_limit)
     routers = (completions, chat, responses, models, sessions, health, metrics)

@@ -59,6 +59,11 @@ class Settings(BaseSettings):
     max_tenant_kv_bytes: int = Field(
         16 * GIB, gt=0, description="K/V a tenant's sessions may hold, counted as transcript tokens x bytes/token (429)"
     )
+    max_connections: int | None = Field(
+        None, ge=1, description="open connections at most; default: the open files limit less a reserve"
+    )
+    header_timeout_s: float = Field(10.0, gt=0, description="a request header not whole by then closes its connection")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body not whole by then is answered 408")
     max_unread_events: int = Field(
         1024, gt=0, description="stream events a client may leave unread before its request is ended"
     )

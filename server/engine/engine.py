@@ -107,7 +107,7 @@ class Engine:
         self._inbox.put(Query(fn, future))
         try:
             return await asyncio.wait_for(future, self.query_timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             message = f"the engine of model {self.model_id!r} did not answer within {self.query_timeout_s:g} s"
             raise EngineBusy(message) from None
 

@@ -7,6 +7,7 @@ request counter when the response is done. Log lines carry ids, never request co
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -21,8 +22,11 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 class Gate:
-    def __init__(self, app, keys: KeyRing, max_body_bytes: int, open_paths: set[str], on_response=None) -> None:
+    def __init__(
+        self, app, keys: KeyRing, max_body_bytes: int, open_paths: set[str], on_response=None, body_timeout_s=30.0
+    ) -> None:
         self.app, self.keys, self.max_body_bytes, self.open_paths = app, keys, max_body_bytes, open_paths
+        self.body_timeout_s = body_timeout_s
         self.on_response = on_response  # (route, status, seconds) -> None: the metrics
 
     async def __call__(self, scope, receive, send) -> None:
@@ -107,8 +111,14 @@ class Gate:
             await _error(send, 413, "request_too_large", f"the request body is larger than {limit} bytes")
             return None
         chunks, size, more = [], 0, True
+        deadline = time.monotonic() + self.body_timeout_s
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                message = f"the request body did not arrive whole within {self.body_timeout_s:g} s"
+                await _error(send, 408, "body_timeout", message, {"Connection": "close"})
+                return None
             if message["type"] == "http.disconnect":
                 return None
             chunks.append(message.get("body", b""))

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.server import Server, _kill_leftovers  # noqa: F401 - the fixture is autouse
 from tests.helpers import wait_until
 
 CHAT = "/v1/chat/completions"
@@ -22,49 +19,7 @@ CHAT = "/v1/chat/completions"
 # short enough to end well inside the grace period even on a loaded 2-core machine (~1 ms per token alone).
 STREAM_TOKENS = 1000
 GRACE_S = 120
-
-
-SPAWNED: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _kill_leftovers():
-    """A failing test must not leave a server running."""
-    yield
-    while SPAWNED:
-        proc = SPAWNED.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-
-
-class Server:
-    def __init__(self, model_dir: Path, state_dir: Path, log_path: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base = f"http://127.0.0.1:{self.port}"
-        args = ["serve", "--model", str(model_dir), "--port", str(self.port), "--state-dir", str(state_dir)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVSERVE_SHUTDOWN_GRACE_S": str(GRACE_S)}
-        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "server", *args], stdout=self.log, stderr=self.log, env=env)
-        SPAWNED.append(self.proc)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(self.base + "/ready").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
-
-    def stop(self, sig: int, timeout_s: float = 60) -> int:
-        self.proc.send_signal(sig)
-        code = self.proc.wait(timeout_s)
-        self.log.close()
-        return code
+GRACE = {"KVSERVE_SHUTDOWN_GRACE_S": str(GRACE_S)}
 
 
 def chat(base: str, sid: str, messages: list[dict], **extra) -> httpx.Response:
@@ -107,7 +62,7 @@ def stream_in_thread(base: str, out: list) -> threading.Thread:
 @pytest.mark.timeout(GRACE_S + 300)  # the drain may take the whole grace period on a loaded machine
 def test_sigterm_drains_then_sessions_come_back_with_their_kv(model_dir, tmp_path):
     state = tmp_path / "state"
-    server = Server(model_dir, state, tmp_path / "log.txt")
+    server = Server(model_dir, state, tmp_path / "log.txt", GRACE)
     sids = [httpx.post(server.base + "/v1/sessions", json={"system": "Be brief."}).json()["id"] for _ in range(2)]
     firsts = ["Hello", "Numbers 0123"]
     conversations = {sid: two_turns(server.base, sid, first) for sid, first in zip(sids, firsts, strict=True)}
@@ -140,7 +95,7 @@ def test_sigterm_drains_then_sessions_come_back_with_their_kv(model_dir, tmp_pat
     data[-1] ^= 0xFF
     broken.write_bytes(bytes(data))
 
-    again = Server(model_dir, state, tmp_path / "log.txt")
+    again = Server(model_dir, state, tmp_path / "log.txt", GRACE)
     try:
         listed = {s["id"]: s for s in httpx.get(again.base + "/v1/sessions").json()["data"]}
         for sid in sids:  # listed at once, before any turn restores anything
@@ -167,11 +122,11 @@ def test_sigterm_drains_then_sessions_come_back_with_their_kv(model_dir, tmp_pat
 
 def test_sigkill_loses_no_completed_turn(model_dir, tmp_path):
     state = tmp_path / "state"
-    server = Server(model_dir, state, tmp_path / "log.txt")
+    server = Server(model_dir, state, tmp_path / "log.txt", GRACE)
     messages = two_turns(server.base, "kept")
     before = session(server.base, "kept")
     server.stop(signal.SIGKILL)  # right after the second turn's response: no chance to save anything else
-    again = Server(model_dir, state, tmp_path / "log.txt")
+    again = Server(model_dir, state, tmp_path / "log.txt", GRACE)
     try:
         after = session(again.base, "kept")
         assert after["turns"] == 2

@@ -1,0 +1,86 @@
+"""No one can freeze the server, key or no key: slow sockets beyond the descriptor limit, slow headers, slow bodies.
+
+A real server process under a low open-files limit (256: the server keeps at most 128 connections), so the
+flood fits in a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.server import Server, _kill_leftovers  # noqa: F401 - the fixture is autouse
+from tests.helpers import wait_until
+
+PARTIAL_HEADER = b"GET /health HTTP/1.1\r\nHost: slow\r\nX-Slow: "  # never finished
+
+
+@pytest.fixture
+def model_dir(tiny_spec, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_spec.source, tmp_path / "model"))
+
+
+def slow_socket(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(PARTIAL_HEADER)
+    return sock
+
+
+def is_closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1024) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_more_slow_sockets_than_descriptors_never_freeze_the_server(model_dir, tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))  # this test holds 400 sockets
+    server = Server(model_dir, tmp_path / "state", tmp_path / "log.txt", {"KVSERVE_HEADER_TIMEOUT_S": "600"}, 256)
+    sockets = []
+    try:
+        for _ in range(400):  # more than the server could ever hold open (256 descriptors)
+            sockets.append(slow_socket(server.port))
+        started = time.monotonic()
+        r = httpx.get(server.base + "/health", timeout=10)
+        assert r.status_code == 200
+        assert time.monotonic() - started < 5  # the oldest waiting connections made room
+        body = {"model": "model", "prompt": "Hello", "max_tokens": 2}
+        assert httpx.post(server.base + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert is_closed_by_peer(sockets[0], 10)  # the oldest slow socket was closed to make room
+    finally:
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+        server.stop(15)
+    log = (tmp_path / "log.txt").read_text()
+    assert "at most 128 open connections" in log
+    assert log.count("out of system resource") <= 3  # never the flood of one line per failed accept()
+
+
+def test_slow_headers_are_closed_and_slow_bodies_answered_408(model_dir, tmp_path):
+    env = {"KVSERVE_HEADER_TIMEOUT_S": "1", "KVSERVE_BODY_TIMEOUT_S": "1"}
+    server = Server(model_dir, tmp_path / "state", tmp_path / "log.txt", env)
+    try:
+        with slow_socket(server.port) as sock:
+            assert is_closed_by_peer(sock, 15)  # a header that never ends: closed after its 1 s
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(head + b"Content-Length: 100\r\n\r\n" + b'{"model": ')  # and then nothing
+            sock.settimeout(15)
+            answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408")
+            assert b'"body_timeout"' in answer
+        wait_until(lambda: httpx.get(server.base + "/health").status_code == 200, 10, "the server to answer")
+    finally:
+        server.stop(15)
