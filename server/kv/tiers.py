@@ -132,14 +132,12 @@ class TierStore:
             disk = self._disk.get(key)
             return disk is not None and disk.token_ids is not None and disk.token_ids[: len(token_ids)] == token_ids
 
-    def flush(self, timeout_s: float | None = None) -> None:
+    def flush(self) -> None:
         """At shutdown: every snapshot in host RAM goes to disk; returns when the writes are done."""
         with self._lock:
-            keys = list(self._host)
-            for key in keys:
+            for key in list(self._host):
                 self._demote(key)
-        if self.directory is not None:
-            self._queue.join()
+        self.flush_pending()
 
     def pending_bytes(self) -> int:
         with self._lock:
@@ -178,7 +176,6 @@ class TierStore:
             log.warning("K/V snapshot of session %s skipped, its turns will be recomputed: %s", key.name, exc)
             if not (isinstance(exc, SnapshotMismatch) and exc.model_id != model_id):
                 self._forget_disk(key, disk)  # corrupt, or stale (our model id, other weights): gone
-
             return None
         with self._lock:
             if self._disk.get(key) is not disk:
@@ -225,9 +222,7 @@ class TierStore:
 
     def totals(self) -> TierStats:
         with self._lock:
-            self.stats.host_bytes = sum(s.nbytes for s in self._host.values()) + sum(
-                s.nbytes for s in self._writing.values()
-            )
+            self.stats.host_bytes = sum(s.nbytes for s in [*self._host.values(), *self._writing.values()])
             self.stats.disk_bytes = sum(d.nbytes for d in self._disk.values())
             self.stats.num_host, self.stats.num_disk = len(self._host), len(self._disk)
             return self.stats
