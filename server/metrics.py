@@ -7,7 +7,6 @@ read when /metrics is scraped, so they are never stale.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import AsyncIterator
 
@@ -121,6 +120,6 @@ class _StateCollector:
         )
         failed.add_metric([], tiers.num_failed_writes)
         sessions = GaugeMetricFamily("kvserve:sessions", "Live sessions, by kind", labels=["kind"])
-        for kind, count in sorted(collections.Counter(k.kind for k in host.store.session_keys()).items()):
+        for kind, count in sorted(host.store.counts().items()):
             sessions.add_metric([kind], count)
         yield from (running, waiting, usage, kv_bytes, evictions, failed, sessions)

@@ -24,6 +24,7 @@ from server.kv.blocks import BlockManager, Residency
 from server.kv.offload import Offloader
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel
+from server.sessions.index import Reach
 from server.sessions.record import SessionKey
 from server.sessions.store import SessionStore
 
@@ -89,7 +90,8 @@ class Engine:
             raise TooLarge(f"{num_tokens} tokens need more K/V memory than the pool holds")
         if self.num_queued >= self.config.max_queue:
             raise QueueFull(f"{self.config.max_queue} requests are already waiting; retry shortly")
-        session = self.store.acquire(request.session, self.model_id) if request.session else None
+        is_chat = request.messages is not None
+        session = self.store.acquire(request.session, self.model_id, is_chat) if request.session else None
         handle = RequestHandle(request.request_id, asyncio.get_running_loop(), request.max_unread_events)
         self._num_submitted += 1  # before the engine thread can answer it
         self._inbox.put(Submission(request, session, handle))
@@ -111,8 +113,8 @@ class Engine:
             message = f"the engine of model {self.model_id!r} did not answer within {self.query_timeout_s:g} s"
             raise EngineBusy(message) from None
 
-    async def residency(self, items: list[tuple[SessionKey, list[int], int]]) -> list[Residency]:
-        """For each (session, transcript, blocks of it another transcript reaches): its K/V in the pool, in
+    async def residency(self, items: list[tuple[SessionKey, list[int], Reach | None]]) -> list[Residency]:
+        """For each (session, transcript, how much of it another transcript shares): its K/V in the pool, in
         tokens and in blocks only it reaches or shared (`BlockManager.residency`). Asked on the engine thread;
         transcripts with no tokens hold nothing and are not asked about.
         """

@@ -61,10 +61,11 @@ def parse_keys(text: str) -> list[tuple[str, str]]:
     for _, tenant in pairs:
         if tenant and not TENANT_PATTERN.fullmatch(tenant):
             raise ValueError(f"tenant names are 1-64 characters of [A-Za-z0-9._-] (got {tenant[:64]!r})")
-    # A key without a tenant gets a numbered one (never derived from the key, which would leak into logs); a
-    # generated name that a listed key also names would merge two tenants: refuse to start instead.
+    # A key without a tenant gets a name of its own that stays its own when keys are added, removed or
+    # reordered (a position would hand one key's sessions to another after a restart): a digest of the key,
+    # which says nothing of the key itself. A generated name another key also names would merge two tenants.
     named = {tenant for _, tenant in pairs if tenant}
-    generated = [(key, tenant or f"key-{i + 1}") for i, (key, tenant) in enumerate(pairs)]
+    generated = [(key, tenant or "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]) for key, tenant in pairs]
     for (_, given), (_, made) in zip(pairs, generated, strict=True):
         if not given and made in named:
             raise ValueError(f"an unnamed key would get the tenant name {made!r}, which another key names; name it")

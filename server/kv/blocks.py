@@ -16,6 +16,7 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from server.sessions.index import Reach
 from server.sessions.record import common_prefix_len
 
 
@@ -199,14 +200,21 @@ class BlockManager:
                 self._children.pop(block.parent_hash, None)
         block.parent_hash, block.token_ids, block.hash = None, [], None
 
-    def chain(self, salt: str, token_ids: list[int]) -> tuple[list[Block], int]:
-        """The blocks holding the longest cached prefix of `token_ids`, and that prefix's length."""
-        match = self.match(salt, token_ids, len(token_ids))
-        return match.shared + ([match.partial] if match.partial is not None else []), match.num_tokens
+    def chain(self, salt: str, token_ids: list[int], own: bool = False) -> tuple[list[Block], int]:
+        """The blocks holding the longest cached prefix of `token_ids`, and that prefix's length.
 
-    def residency(self, salt: str, token_ids: list[int], reached: int) -> Residency:
-        """A block is shared when more than one running sequence holds it, or when it is among the first
-        `reached` blocks of the chain (those another transcript of the tenant reaches)."""
+        `own`: a last, partially matching block that holds other tokens too (another transcript's) is left out.
+        """
+        match = self.match(salt, token_ids, len(token_ids))
+        tail, start = match.partial, len(match.shared) * self.block_size
+        if own and tail is not None and tail.token_ids != token_ids[start : start + len(tail.token_ids)]:
+            tail = None
+        return match.shared + ([tail] if tail is not None else []), match.num_tokens
+
+    def residency(self, salt: str, token_ids: list[int], reach: Reach | None) -> Residency:
+        """A block is shared when more than one running sequence holds it, or when another transcript of the
+        tenant reaches it (`reach`: how much of `token_ids` one shares; None: not asked)."""
         blocks, num_tokens = self.chain(salt, token_ids)
+        reached = reach.num_blocks(len(blocks), self.block_size) if reach is not None else 0
         num_shared = sum(1 for i, b in enumerate(blocks) if i < reached or b.ref_count > 1)
         return Residency(num_tokens, len(blocks) - num_shared, num_shared)

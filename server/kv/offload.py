@@ -105,10 +105,10 @@ class Offloader:
         session shares (ones a running sequence holds stay: the engine forgets a deleted session's blocks again
         when its request finishes)."""
         reach = self.store.reach(key, self.model_id, token_ids)
-        blocks, _ = self.manager.chain(key.tenant, token_ids)
-        kept = reach.num_blocks(self.manager.block_size)
-        if reach.is_whole and kept and kept <= len(blocks) and reach.num_tokens % self.manager.block_size:
-            self.manager.trim(blocks[kept - 1], reach.num_tokens % self.manager.block_size)  # the rest was its own
+        blocks, _ = self.manager.chain(key.tenant, token_ids, own=True)
+        kept, rest = reach.num_blocks(len(blocks), self.manager.block_size), reach.num_tokens % self.manager.block_size
+        if reach.other_ends and not reach.is_covered and rest and 0 < kept <= len(blocks):
+            self.manager.trim(blocks[kept - 1], rest)  # the other ends inside this block: the rest was ours
         self.manager.discard(blocks[kept:])
 
     def save_all(self) -> int:

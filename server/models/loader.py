@@ -174,9 +174,11 @@ def _read_template(spec: ModelSpec) -> str:
 
 
 def _max_token_bytes(tokenizer: Any) -> int:
-    """An upper bound on the UTF-8 bytes of text one token covers: 4 per character of its longest vocabulary
-    entry (byte-level vocabularies write one character per byte, so this is loose, never short)."""
-    return 4 * max((len(token) for token in tokenizer.get_vocab()), default=16)
+    """An upper bound on the UTF-8 bytes of text one token covers. Byte-level vocabularies (GPT-2 style) write
+    one character per byte; others are bounded by 4 bytes per character of their longest entry."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=16)
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return longest if type(decoder).__name__ == "ByteLevel" else 4 * longest
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -48,7 +48,6 @@ class Completions:
     async def completion(self, req: CompletionRequest, http: Request, tenant: str) -> Any:
         engine = self.serving.engine(req.model)
         key = session_key(req, http, tenant)
-        _check_mode(key, self._view(key, engine), is_chat=False)
         prompt = req.single_prompt()
         if isinstance(prompt, str):
             check_text_size(engine.loaded, [prompt], "prompt")
@@ -59,7 +58,6 @@ class Completions:
         engine = self.serving.engine(req.model)
         key = session_key(req, http, tenant)
         view = self._view(key, engine)
-        _check_mode(key, view, is_chat=True)
         messages = with_session_system(chat_messages(req), view)
         check_text_size(engine.loaded, [m["content"] for m in messages], "messages")
         ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, view)  # off the loop
@@ -105,16 +103,6 @@ class Completions:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return event_stream(_sse(handle, events, meta, token_text, include_usage), headers)
         return await _collect(handle, events, http, meta, token_text, headers)
-
-
-def _check_mode(key: SessionKey | None, view: Session | None, is_chat: bool) -> None:
-    """409 instead of silently replacing a session's transcript with one of the other kind: a completion on a
-    chat session (it holds messages) or a chat turn on a completion session (a transcript, no messages)."""
-    if key is None or view is None or not view.transcript_ids or bool(view.messages) == is_chat:
-        return
-    use = "/v1/chat/completions" if view.messages else "/v1/completions"
-    message = f"session {key.name!r} holds a {'chat' if view.messages else 'completion'} transcript: use {use}"
-    raise ApiError(409, "session_mode_mismatch", message, "session_id")
 
 
 def event_stream(events: AsyncIterator[ServerSentEvent], headers: dict[str, str]) -> EventSourceResponse:

@@ -126,9 +126,7 @@ class Sessions:
             for index in indices:
                 key = infos[index].key
                 transcript = self.store.transcript(key)
-                reach = self.store.reach(key, model_id, transcript) if with_sharing else None
-                reached = reach.num_blocks(engine.config.block_size) if reach else 0
-                items.append((key, transcript, reached))
+                items.append((key, transcript, self.store.reach(key, model_id, transcript) if with_sharing else None))
             for index, usage in zip(indices, await engine.residency(items), strict=True):
                 bb = engine.block_bytes
                 found[index] = Device(usage.num_tokens, usage.num_exclusive * bb, usage.num_shared * bb)

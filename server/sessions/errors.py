@@ -17,6 +17,10 @@ class SessionModelMismatch(SessionError):
     code = "session_model_mismatch"
 
 
+class SessionModeMismatch(SessionError):
+    code = "session_mode_mismatch"
+
+
 class SessionNotFound(SessionError):
     code = "session_not_found"
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from sortedcontainers import SortedDict, SortedKeyList
+from sortedcontainers import SortedDict, SortedList
 
 from server.sessions.record import Session, SessionKey, common_prefix_len
 
@@ -27,16 +27,15 @@ class Reach(NamedTuple):
     """How much of a transcript another transcript of the tenant shares."""
 
     num_tokens: int  # the longest common prefix with any other
-    is_whole: bool  # one of the two ends there (one is a prefix of the other): a block it ends in is reached too
+    is_covered: bool  # the transcript ends there: it is a prefix of another, which reaches all its blocks
+    other_ends: bool  # the other ends there: it reaches (part of) the block the common prefix ends in
 
-    def num_blocks(self, block_size: int) -> int:
-        """The transcript's blocks the other reaches: the full ones in the common prefix, and the one it ends in."""
+    def num_blocks(self, num_own: int, block_size: int) -> int:
+        """How many of the transcript's `num_own` blocks (in chain order) the other reaches."""
+        if self.is_covered:
+            return num_own
         whole, rest = divmod(self.num_tokens, block_size)
-        return whole + (1 if rest and self.is_whole else 0)
-
-
-def _transcript_of(entry: tuple[list[int], SessionKey]) -> list[int]:
-    return entry[0]
+        return whole + (1 if rest and self.other_ends else 0)
 
 
 @dataclass(slots=True)
@@ -44,7 +43,27 @@ class TenantIndex:
     created: dict[str, SortedDict] = field(default_factory=dict)  # kind -> (created_at, name) -> key
     counts: Counter[str] = field(default_factory=Counter)  # kind -> sessions of that kind
     num_tokens: int = 0  # transcript tokens of its sessions and responses (buckets keep nothing)
-    transcripts: dict[str, SortedKeyList] = field(default_factory=dict)  # model -> [(transcript, key)]
+    transcripts: dict[str, SortedList] = field(default_factory=dict)  # model -> [(transcript, name, kind)]
+
+
+class Forgotten:
+    """Deleted or expired sessions' transcripts, per model, until that model's engine takes them."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self._by_model: dict[str, deque[tuple[SessionKey, list[int]]]] = {}
+        self._limit = limit
+
+    def add(self, session: Session) -> None:
+        by_model = self._by_model.setdefault(session.model_id, deque(maxlen=self._limit))
+        by_model.append((session.key, session.transcript_ids))
+
+    def take(self, model_id: str) -> list[tuple[SessionKey, list[int]]]:
+        mine = self._by_model.get(model_id)  # empty, the common case: asked on every engine step
+        if not mine:
+            return []
+        taken = list(mine)
+        mine.clear()
+        return taken
 
 
 class SessionIndex:
@@ -85,14 +104,14 @@ class SessionIndex:
         if session.key.is_bucket:
             return
         index.num_tokens += len(session.transcript_ids)
-        by_model = index.transcripts.setdefault(session.model_id, SortedKeyList(key=_transcript_of))
-        by_model.add((session.transcript_ids, session.key))
+        by_model = index.transcripts.setdefault(session.model_id, SortedList())
+        by_model.add((session.transcript_ids, session.key.name, session.key.kind))  # unique: removal bisects
 
     def _remove_transcript(self, index: TenantIndex, session: Session) -> None:
         if session.key.is_bucket:
             return
         index.num_tokens -= len(session.transcript_ids)
-        index.transcripts[session.model_id].remove((session.transcript_ids, session.key))
+        index.transcripts[session.model_id].remove((session.transcript_ids, session.key.name, session.key.kind))
 
     # -- questions -------------------------------------------------------------------------
     def page(self, tenant: str, kind: str, after: tuple[float, str] | None, limit: int) -> list[SessionKey]:
@@ -102,6 +121,10 @@ class SessionIndex:
             return []
         found = created.irange(minimum=after, inclusive=(False, True)) if after else created.irange()
         return [created[item] for item in itertools.islice(found, limit)]
+
+    def counts(self) -> Counter[str]:
+        """Sessions by kind, over every tenant."""
+        return sum((index.counts for index in self._tenants.values()), Counter())
 
     def usage(self, tenant: str, exclude: SessionKey, excluded: Session | None) -> tuple[int, int]:
         """(the tenant's buckets, or its sessions and responses, as `exclude` is one or not; their transcript
@@ -117,14 +140,16 @@ class SessionIndex:
     def reach(self, tenant: str, model_id: str, transcript: list[int], exclude: SessionKey | None) -> Reach:
         """The longest prefix of `transcript` another of the tenant's transcripts on the model starts with."""
         by_model = self._tenant(tenant).transcripts.get(model_id)
-        best = Reach(0, False)
+        best = Reach(0, False, False)
         if not by_model:
             return best
-        at = by_model.bisect_key_left(transcript)
-        for other, key in by_model.islice(max(0, at - 1), at + 2):
-            if key != exclude:
+        at = by_model.bisect_left((transcript,))
+        skip = (exclude.name, exclude.kind) if exclude is not None else None
+        # Its predecessor and successor among the others: within two places each way, the one left out aside.
+        for other, name, kind in by_model.islice(max(0, at - 2), at + 2):
+            if (name, kind) != skip:
                 n = common_prefix_len(other, transcript)
-                best = max(best, Reach(n, n in (len(other), len(transcript))))
+                best = max(best, Reach(n, n == len(transcript), n == len(other)))
         return best
 
     # -- expiry ------------------------------------------------------------------------------

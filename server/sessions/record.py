@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from server.sessions.errors import InvalidTurn
+from server.sessions.errors import InvalidTurn, SessionModeMismatch
 
 RECORD_VERSION = 1
 KINDS = ("session", "response", "bucket")
@@ -115,6 +115,12 @@ class Session:
             "turns": turns,
             "parent": self.key.name,
         }
+
+    def check_mode(self, is_chat: bool) -> None:
+        """A session never switches between a chat and a completion transcript: one would replace the other."""
+        if self.key.kind == "session" and self.transcript_ids and bool(self.messages) != is_chat:
+            held, use = ("chat", "/v1/chat/completions") if self.messages else ("completion", "/v1/completions")
+            raise SessionModeMismatch(f"session {self.key.name!r} holds a {held} transcript: use {use}")
 
     def check_turn(self, num_turns: int) -> None:
         if not 0 <= num_turns <= self.num_turns:

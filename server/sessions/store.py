@@ -1,10 +1,8 @@
-"""The session store: records, busy locks and TTL for every session, response and cache bucket (torch-free).
+"""The session store: records, busy locks and TTL for sessions, responses and cache buckets (torch-free, thread-safe).
 
-Thread-safe: the event loop admits and inspects sessions while the engine threads run them. Every change
-(create, turn, rewind, fork, delete) is journaled before it is applied: one the journal refuses raises
-StateUnavailable and leaves memory as it was, so what the API answered is what a restart finds. Deleting
-or expiring a session tells the K/V tiers (`Forgetter`s) to drop theirs too. A request's cost here does
-not grow with the number of sessions (server/sessions/index.py).
+Every change (create, turn, rewind, fork, delete) is journaled before it is applied: one the journal refuses raises
+StateUnavailable and leaves memory as it was, so what the API answered is what a restart finds. Forgetting a session
+tells the K/V tiers (`Forgetter`s) too. A request's cost here does not grow with the sessions (index.py).
 """
 
 from __future__ import annotations
@@ -12,12 +10,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from server.sessions.errors import SessionBusy, SessionModelMismatch, SessionNotFound, StateUnavailable
-from server.sessions.index import Reach, SessionIndex
+from server.sessions.errors import (
+    SessionBusy,
+    SessionModelMismatch,
+    SessionNotFound,
+    StateUnavailable,
+)
+from server.sessions.index import Forgotten, Reach, SessionIndex
 from server.sessions.journal import Journal
 from server.sessions.record import CompletedTurn, Session, SessionInfo, SessionKey
 
@@ -50,7 +52,7 @@ class SessionStore:
         self._sessions: dict[SessionKey, Session] = {}
         self._index = SessionIndex()
         self._turn_hooks: dict[str, TurnHook] = {}
-        self._forgotten: deque[tuple[str, SessionKey, list[int]]] = deque(maxlen=10_000)  # for the engines
+        self._forgotten = Forgotten()
 
     def on_turn(self, kind: str, hook: TurnHook) -> None:
         """`hook(extras, turn)` runs when a turn of a session of `kind` completes, before it is journaled."""
@@ -100,23 +102,25 @@ class SessionStore:
         return len(records) - len(failed), failed
 
     # -- a request's turn -----------------------------------------------------------
-    def acquire(self, key: SessionKey, model_id: str) -> Session | None:
-        """Mark the session in use, creating it on first use. Buckets never raise: a busy bucket gives None."""
+    def acquire(self, key: SessionKey, model_id: str, is_chat: bool = False) -> Session | None:
+        """Mark the session in use, creating (and journaling) it on first use. Buckets never raise: a busy bucket
+        gives None. A session never switches between a chat and a completion transcript (SessionModeMismatch)."""
         with self._lock:
             self._expire_locked()
             session = self._sessions.get(key)
             if session is None:
                 session = self._new(key, model_id, None)
+                if not key.is_bucket:
+                    self._save(key, session.to_record())
                 self._insert(session)
+            session.check_mode(is_chat)
+            if (session.model_id != model_id or session.is_in_use) and key.is_bucket:
+                return None  # a bucket is a hint: the request runs without it
             if session.model_id != model_id:
-                if key.is_bucket:
-                    return None
                 raise SessionModelMismatch(
                     f"session {key.name!r} belongs to model {session.model_id!r}, not {model_id!r}"
                 )
             if session.is_in_use:
-                if key.is_bucket:
-                    return None
                 raise SessionBusy(f"session {key.name!r} already has a request in flight")
             session.is_in_use = True
             session.last_use, session.last_use_wall = self._clock(), self._wall()
@@ -124,10 +128,8 @@ class SessionStore:
             return session
 
     def release(self, session: Session, turn: CompletedTurn | None = None) -> None:
-        """Give the session back; a completed `turn` is journaled, then applied, before this returns.
-
-        Raises StateUnavailable (disk full...) with the session as it was before the turn, and released.
-        """
+        """Give the session back; a completed `turn` is journaled, then applied, before this returns. Raises
+        StateUnavailable (disk full...) with the session as it was before the turn, and released."""
         staged = None
         try:
             if turn is not None:
@@ -207,6 +209,10 @@ class SessionStore:
         with self._lock:
             return {k for k in self._sessions if kind is None or k.kind == kind}
 
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._index.counts())
+
     def is_live(self, key: SessionKey, session: Session | None = None) -> bool:
         """Whether `key` names a session (`session` itself, when given: not a new one under a deleted name)."""
         with self._lock:
@@ -251,14 +257,9 @@ class SessionStore:
             self._expire_locked()
 
     def take_forgotten(self, model_id: str) -> list[tuple[SessionKey, list[int]]]:
-        """Sessions of a model deleted or expired since the last call: their device K/V may go too."""
+        """Sessions of a model deleted or expired since the last call (their device K/V may go too)."""
         with self._lock:
-            if not self._forgotten:  # the common case, checked on every engine step
-                return []
-            mine = [(k, ids) for m, k, ids in self._forgotten if m == model_id]
-            rest = (item for item in self._forgotten if item[0] != model_id)
-            self._forgotten = deque(rest, maxlen=self._forgotten.maxlen)
-            return mine
+            return self._forgotten.take(model_id)
 
     # -- internals (lock held) --------------------------------------------------------
     def _save(self, key: SessionKey, record: dict[str, Any]) -> None:
@@ -275,7 +276,7 @@ class SessionStore:
         del self._sessions[session.key]
         self._index.remove(session)
         if not session.key.is_bucket:
-            self._forgotten.append((session.model_id, session.key, session.transcript_ids))
+            self._forgotten.add(session)
 
     def _drop_tiers(self, key: SessionKey) -> None:
         try:

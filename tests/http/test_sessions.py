@@ -192,3 +192,18 @@ def test_delete_frees_the_sessions_own_device_blocks_but_not_shared_ones(app_cli
     wait_until(lambda: pool_tokens(engine, parent_ids) < len(parent_ids) - 1, what="the deleted session's K/V to go")
     assert pool_tokens(engine, parent_ids) < len(fork_ids) + engine.config.block_size
     assert pool_tokens(engine, fork_ids) == len(fork_ids)  # the fork still reaches its blocks
+
+
+def test_deleting_a_fork_leaves_every_block_of_its_parent(app_client):
+    engine = app_client.app.state.host.engines["tiny"]
+    parent = app_client.post("/v1/sessions", json={"system": "Paris is the capital of France."}).json()["id"]
+    three_turns(app_client, parent)
+    fork = app_client.post(f"/v1/sessions/{parent}/fork", json={"turn": 1}).json()["id"]
+    parent_ids = store(app_client).transcript(SessionKey("default", parent))
+    fork_ids = store(app_client).transcript(SessionKey("default", fork))
+    assert len(fork_ids) % engine.config.block_size  # the fork ends inside one of the parent's blocks
+    before = pool_tokens(engine, parent_ids)
+    assert app_client.delete(f"/v1/sessions/{fork}").status_code == 200
+    ask(engine, lambda: None)  # the engine's next loop has dropped what only the fork reached: nothing
+    ask(engine, lambda: None)
+    assert pool_tokens(engine, parent_ids) == before

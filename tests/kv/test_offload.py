@@ -139,7 +139,7 @@ async def test_a_failed_restore_falls_back_to_computing(tiny, tmp_path, monkeypa
 async def test_a_turn_that_cannot_be_journaled_fails_alone(tiny, tmp_path):
     class FullDisk(Journal):
         def save(self, key, record):
-            if key.name == "full":
+            if key.name == "full" and record["transcript_ids"]:  # the disk fills up after the session was made
                 raise OSError(28, "No space left on device")
             super().save(key, record)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from server.kv.tiers import TierStore
-from server.sessions.errors import SessionBusy, SessionModelMismatch, StateUnavailable
+from server.sessions.errors import SessionBusy, SessionModelMismatch, SessionModeMismatch, StateUnavailable
 from server.sessions.journal import Journal
 from server.sessions.record import CompletedTurn, SessionKey, Usage
 from server.sessions.store import SessionStore
@@ -131,7 +131,8 @@ def test_delete_while_running_drops_the_state(store):
 def test_a_turn_the_journal_cannot_write_is_not_applied(tmp_path):
     class FullDisk(Journal):
         def save(self, key, record):
-            raise OSError(28, "No space left on device")
+            if record["transcript_ids"]:  # the disk fills up after the session was made
+                raise OSError(28, "No space left on device")
 
     store = SessionStore(ttl_s=3600, journal=FullDisk(tmp_path))
     session = store.acquire(key("j"), "m")
@@ -208,3 +209,34 @@ def test_start_up_removes_temporary_journal_files(tmp_path):
     again = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
     assert again.restore() == 1
     assert sorted(p.name for p in tenant_dir.iterdir()) == ["session-kept.json"]
+
+
+def test_a_session_made_on_first_use_is_journaled_before_it_exists(tmp_path):
+    class FullDisk(Journal):
+        def save(self, key, record):
+            raise OSError(28, "No space left on device")
+
+    store = SessionStore(ttl_s=3600, journal=FullDisk(tmp_path))
+    with pytest.raises(StateUnavailable):
+        store.acquire(key("new"), "m")
+    assert store.info(key("new")) is None  # refused, so it does not exist either
+    bucket = SessionKey("default", "b", kind="bucket")
+    assert store.acquire(bucket, "m") is not None  # a bucket keeps no record: nothing to refuse
+
+
+def test_a_session_never_switches_between_chat_and_completion(store):
+    complete(store, "plain", [1, 2, 3])  # a completion transcript (no messages)
+    with pytest.raises(SessionModeMismatch, match="completion"):
+        store.acquire(key("plain"), "m", is_chat=True)
+    assert not store.info(key("plain")).is_in_use
+
+
+def test_shared_prefixes_are_found_among_the_neighbours():
+    store = SessionStore(ttl_s=3600)
+    for name, ids in (("a", [1, 2, 3, 4, 5, 6]), ("b", [1, 2, 3, 9]), ("c", [1, 2, 3, 4, 5, 6, 7, 8]), ("d", [7])):
+        complete(store, name, ids)
+    assert store.reach(key("a"), "m", [1, 2, 3, 4, 5, 6]) == (6, True, False)  # a prefix of c: all reached
+    assert store.reach(key("c"), "m", [1, 2, 3, 4, 5, 6, 7, 8]) == (6, False, True)  # a ends inside it
+    assert store.reach(key("b"), "m", [1, 2, 3, 9]) == (3, False, False)
+    assert store.reach(key("d"), "m", [7]) == (0, False, False)
+    assert store.reach(SessionKey("other", "a"), "m", [1, 2, 3]) == (0, False, False)  # tenants apart

@@ -1,0 +1,39 @@
+"""Every package the server imports is declared in pyproject.toml: a plain `pip install .` must run it
+(a dependency that only arrives with the dev tools works in the tests and fails in the image)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_imported_package_is_a_declared_dependency():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {normalized(re.split(r"[ <>=!~;\[]", spec, maxsplit=1)[0]) for spec in declared}
+    imported = set()
+    for path in (ROOT / "server").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+    third_party = (
+        imported - set(sys.stdlib_module_names) - {"server", "__future__", "tomli"}
+    )  # tomli: 3.10 only, declared with its marker
+    distributions = packages_distributions()
+    missing = sorted(m for m in third_party if not names & {normalized(d) for d in distributions.get(m, [m])})
+    assert not missing, f"imported by server/ but not declared in pyproject.toml: {missing}"
