@@ -124,10 +124,10 @@ def test_client_chosen_ids_and_the_prefix_cache_are_per_tenant(guarded):
 
 
 def test_another_tenants_identical_transcript_is_never_counted_as_shared(guarded):
-    for key, sid in ((ALICE, "twin"), (BOB, "twin")):
+    for key, sid in ((ALICE, "twin-a"), (BOB, "twin-b")):
         assert chat(guarded, key, sid, "Identical conversations, two tenants").status_code == 200
-    alice = guarded.get("/v1/sessions/twin", headers=auth(ALICE)).json()["cache"]["device"]
-    bob = guarded.get("/v1/sessions/twin", headers=auth(BOB)).json()["cache"]["device"]
+    alice = guarded.get("/v1/sessions/twin-a", headers=auth(ALICE)).json()["cache"]["device"]
+    bob = guarded.get("/v1/sessions/twin-b", headers=auth(BOB)).json()["cache"]["device"]
     assert alice["tokens"] == bob["tokens"] > 0
     assert alice["shared_bytes"] == bob["shared_bytes"] == 0  # same tokens, but never the same blocks
     assert alice["exclusive_bytes"] == bob["exclusive_bytes"] > 0

@@ -13,11 +13,14 @@ import pytest
 import torch
 
 from server.kv import offload
+from server.kv.blocks import BlockManager
+from server.kv.offload import Offloader
 from server.kv.tiers import TierStore
 from server.sessions.journal import Journal
-from server.sessions.record import SessionKey
+from server.sessions.record import CompletedTurn, SessionKey, Usage
 from server.sessions.store import SessionStore
 from tests.helpers import make_engine, reference_greedy, run
+from tests.kv.test_blocks import fill
 
 BLOCK = 4
 TOKEN_BYTES = 2 * 2 * 2 * 16 * 8  # K+V x layers x kv_heads x head_dim x float64
@@ -158,3 +161,17 @@ async def test_a_turn_that_cannot_be_journaled_fails_alone(tiny, tmp_path):
         assert store.info(SessionKey("default", "fine")).num_turns == 1
     finally:
         engine.stop()
+
+
+def test_forgetting_a_session_never_drops_a_block_of_another():
+    manager, store = BlockManager(16, 4), SessionStore(ttl_s=3600)
+    kept, gone = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 9]
+    for name, ids in (("kept", kept), ("gone", gone)):
+        store.release(
+            store.acquire(SessionKey("default", name), "m"), CompletedTurn(ids, "", "stop", Usage(6, 0, 0), None)
+        )
+    manager.release(fill(manager, "default", kept))  # only `kept` has K/V in the pool, idle and cached
+    assert store.delete(SessionKey("default", "gone"))
+    Offloader(None, manager, store, TierStore(0, 0, None), "m", "fp").discard_forgotten()  # type: ignore[arg-type]
+    # `gone`'s own second block was never there: the partially matching block is `kept`'s, and stays
+    assert manager.match("default", kept, 6).num_tokens == 6

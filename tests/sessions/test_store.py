@@ -11,6 +11,7 @@ import pytest
 
 from server.kv.tiers import TierStore
 from server.sessions.errors import SessionBusy, SessionModelMismatch, SessionModeMismatch, StateUnavailable
+from server.sessions.index import Reach
 from server.sessions.journal import Journal
 from server.sessions.record import CompletedTurn, SessionKey, Usage
 from server.sessions.store import SessionStore
@@ -240,3 +241,10 @@ def test_shared_prefixes_are_found_among_the_neighbours():
     assert store.reach(key("b"), "m", [1, 2, 3, 9]) == (3, False, False)
     assert store.reach(key("d"), "m", [7]) == (0, False, False)
     assert store.reach(SessionKey("other", "a"), "m", [1, 2, 3]) == (0, False, False)  # tenants apart
+
+
+def test_how_many_blocks_another_transcript_reaches():
+    assert Reach(6, is_covered=True, other_ends=False).num_blocks(2, 4) == 2  # a prefix of another: all of it
+    assert Reach(6, is_covered=False, other_ends=True).num_blocks(3, 4) == 2  # the other ends inside block 2
+    assert Reach(6, is_covered=False, other_ends=False).num_blocks(3, 4) == 1  # only whole blocks in common
+    assert Reach(8, is_covered=False, other_ends=True).num_blocks(3, 4) == 2
