@@ -78,7 +78,9 @@ def test_slow_headers_are_closed_and_slow_bodies_answered_408(model_dir, tmp_pat
             head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             sock.sendall(head + b"Content-Length: 100\r\n\r\n" + b'{"model": ')  # and then nothing
             sock.settimeout(15)
-            answer = sock.recv(4096)
+            answer = b""
+            while chunk := sock.recv(4096):  # the server closes the connection after its answer
+                answer += chunk
             assert answer.startswith(b"HTTP/1.1 408")
             assert b'"body_timeout"' in answer
         wait_until(lambda: httpx.get(server.base + "/health").status_code == 200, 10, "the server to answer")
