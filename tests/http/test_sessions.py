@@ -179,13 +179,18 @@ def test_openapi_documents_the_session_routes_with_examples(app_client):
         assert components[name].get("examples"), name
 
 
+def parent_and_fork(client, system: str):
+    """A session with three turns and a fork of it at turn 1: their ids and transcripts."""
+    parent = client.post("/v1/sessions", json={"system": system}).json()["id"]
+    three_turns(client, parent)
+    fork = client.post(f"/v1/sessions/{parent}/fork", json={"turn": 1}).json()["id"]
+    transcripts = [store(client).transcript(SessionKey("default", sid)) for sid in (parent, fork)]
+    return parent, fork, *transcripts
+
+
 def test_delete_frees_the_sessions_own_device_blocks_but_not_shared_ones(app_client):
     engine = app_client.app.state.host.engines["tiny"]
-    parent = app_client.post("/v1/sessions", json={"system": "Numbers 0123456789 and symbols."}).json()["id"]
-    three_turns(app_client, parent)
-    fork = app_client.post(f"/v1/sessions/{parent}/fork", json={"turn": 1}).json()["id"]
-    parent_ids = store(app_client).transcript(SessionKey("default", parent))
-    fork_ids = store(app_client).transcript(SessionKey("default", fork))
+    parent, _, parent_ids, fork_ids = parent_and_fork(app_client, "Numbers 0123456789 and symbols.")
     assert pool_tokens(engine, parent_ids) == len(parent_ids) - 1
     app_client.delete(f"/v1/sessions/{parent}")
     # the engine drops them on its next loop (idle: within a second)
@@ -196,11 +201,7 @@ def test_delete_frees_the_sessions_own_device_blocks_but_not_shared_ones(app_cli
 
 def test_deleting_a_fork_leaves_every_block_of_its_parent(app_client):
     engine = app_client.app.state.host.engines["tiny"]
-    parent = app_client.post("/v1/sessions", json={"system": "Paris is the capital of France."}).json()["id"]
-    three_turns(app_client, parent)
-    fork = app_client.post(f"/v1/sessions/{parent}/fork", json={"turn": 1}).json()["id"]
-    parent_ids = store(app_client).transcript(SessionKey("default", parent))
-    fork_ids = store(app_client).transcript(SessionKey("default", fork))
+    _, fork, parent_ids, fork_ids = parent_and_fork(app_client, "Paris is the capital of France.")
     assert len(fork_ids) % engine.config.block_size  # the fork ends inside one of the parent's blocks
     before = pool_tokens(engine, parent_ids)
     assert app_client.delete(f"/v1/sessions/{fork}").status_code == 200
