@@ -33,7 +33,7 @@ test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 test-fast: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not e2e"
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not e2e and not faults"
 
 lint: install
 	$(BIN)/ruff check .

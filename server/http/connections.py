@@ -22,6 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("kvserve.connections")
 RESERVED_DESCRIPTORS = 128  # model files, state files, pipes, threads: what the process needs besides sockets
 ACCEPT_ERROR_INTERVAL_S = 10.0
+MAX_CONNECTIONS_UNLIMITED = 65_536  # with no limit on open files: still a bound
 
 
 def raise_descriptor_limit() -> int:
@@ -29,12 +30,16 @@ def raise_descriptor_limit() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        log.info("open files limit raised from %d to %d", soft, hard)
+        log.info("open files limit raised from %d to %d (the hard limit)", soft, hard)
         soft = hard
+    else:
+        log.info("open files limit: %d (the hard limit)", soft)
     return soft
 
 
 def default_max_connections(descriptor_limit: int) -> int:
+    if descriptor_limit == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS_UNLIMITED
     return max(16, descriptor_limit - max(RESERVED_DESCRIPTORS, descriptor_limit // 10))
 
 

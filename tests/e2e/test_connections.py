@@ -19,6 +19,9 @@ import pytest
 from tests.e2e.server import Server, _kill_leftovers  # noqa: F401 - the fixture is autouse
 from tests.helpers import wait_until
 
+pytestmark = pytest.mark.faults
+
+
 PARTIAL_HEADER = b"GET /health HTTP/1.1\r\nHost: slow\r\nX-Slow: "  # never finished
 
 

@@ -14,6 +14,9 @@ import pytest
 from tests.e2e.server import Server, _kill_leftovers  # noqa: F401 - the fixture is autouse
 from tests.helpers import wait_until
 
+pytestmark = pytest.mark.faults
+
+
 CHAT = "/v1/chat/completions"
 # The drained stream: long enough to outlast the first refused request by far (milliseconds after the signal),
 # short enough to end well inside the grace period even on a loaded 2-core machine (~1 ms per token alone).

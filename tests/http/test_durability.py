@@ -14,6 +14,9 @@ from server.app import create_app
 from server.settings import Settings
 from tests.http.conftest import wait_ready
 
+pytestmark = pytest.mark.faults
+
+
 CHAT = "/v1/chat/completions"
 
 

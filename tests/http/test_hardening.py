@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import resource
 
 import pytest
 from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.http.auth import load_keys
+from server.http.connections import default_max_connections
 from server.settings import Settings
 from tests.http.conftest import wait_ready
 
@@ -209,3 +211,10 @@ def test_logs_carry_ids_never_prompt_text(guarded, caplog):
     assert r.headers["x-request-id"] in text
     assert "session=logged" in text
     assert "tenant=alice" in text
+
+
+def test_the_connection_bound_stays_below_the_descriptor_limit():
+    assert default_max_connections(1024) == 1024 - 128
+    assert default_max_connections(20_000) == 20_000 - 2_000
+    assert default_max_connections(100) == 16  # a tiny limit still serves someone
+    assert default_max_connections(resource.RLIM_INFINITY) == 65_536
