@@ -31,7 +31,7 @@ PING_S = 15
 
 
 @dataclass(slots=True, frozen=True)
-class Turn:
+class Ask:
     """What a chat or completion request asks of one model."""
 
     engine: Engine
@@ -52,7 +52,7 @@ class Completions:
         if isinstance(prompt, str):
             check_text_size(engine.loaded, [prompt], "prompt")
         ids = await asyncio.to_thread(completion_ids, req, engine.loaded)  # tokenizing: off the event loop
-        return await self._run(req, http, Turn(engine, tenant, key, ids, None), req.max_tokens, req.logprobs)
+        return await self._run(req, http, Ask(engine, tenant, key, ids, None), req.max_tokens, req.logprobs)
 
     async def chat(self, req: ChatCompletionRequest, http: Request, tenant: str) -> Any:
         engine = self.serving.engine(req.model)
@@ -62,8 +62,8 @@ class Completions:
         check_text_size(engine.loaded, [m["content"] for m in messages], "messages")
         ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, view)  # off the loop
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        turn = Turn(engine, tenant, key, ids, messages)
-        return await self._run(req, http, turn, req.output_limit(), num_logprobs)
+        ask = Ask(engine, tenant, key, ids, messages)
+        return await self._run(req, http, ask, req.output_limit(), num_logprobs)
 
     def _view(self, key: SessionKey | None, engine: Engine) -> Session | None:
         """The named session as it is (None: no session, a bucket, or another model's: admission says so)."""
@@ -71,25 +71,25 @@ class Completions:
         return view if view is not None and view.model_id == engine.model_id else None
 
     async def _run(
-        self, req: SamplingFields, http: Request, turn: Turn, max_tokens: int | None, num_logprobs: int | None
+        self, req: SamplingFields, http: Request, ask: Ask, max_tokens: int | None, num_logprobs: int | None
     ) -> Any:
-        serving, s, engine = self.serving, self.serving.settings, turn.engine
-        is_chat = turn.messages is not None
-        num_prompt = len(turn.prompt_ids)
+        serving, s, engine = self.serving, self.serving.settings, ask.engine
+        is_chat = ask.messages is not None
+        num_prompt = len(ask.prompt_ids)
         params = sampling_params(
             req, engine.loaded, num_prompt, max_tokens, s.default_max_tokens, num_logprobs, s.max_tokens_limit
         )
-        key = serving.session_for(turn.key, num_prompt + params.max_tokens, engine)
+        key = serving.session_for(ask.key, num_prompt + params.max_tokens, engine)
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
         gen = serving.request(
             request_id=request_id,
-            prompt_ids=turn.prompt_ids,
+            prompt_ids=ask.prompt_ids,
             params=params,
-            tenant=turn.tenant,
+            tenant=ask.tenant,
             session=key,
             kv_source=key if key is not None and not key.is_bucket else None,
             use_cache=req.cache_prompt,
-            messages=turn.messages,
+            messages=ask.messages,
         )
         started = time.monotonic()
         handle, admitted = await serving.start(engine, gen, http)

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from server.engine.request import SamplingParams
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
 from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-
-
-@dataclass(slots=True)
-class Prompt:
-    ids: list[int]
-    messages: list[dict] | None  # chat: what the ids render (kept in the session record); None for completions
 
 
 def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
