@@ -17,6 +17,7 @@ import torch
 
 from server.kv.attention import unsupported_reason
 from server.models.convert import convert_gguf, gguf_cache_dir
+from server.models.dtype import DtypeChoice, choose_dtype
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,7 +25,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 log = logging.getLogger("kvserve.registry")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 class ModelLoadError(Exception):
@@ -53,6 +53,7 @@ class LoadedModel:
     max_context: int
     eos_ids: frozenset[int]
     max_token_bytes: int = 64  # no token stands for more UTF-8 bytes of text: bytes / this <= tokens
+    dtype_reason: str = "configured"  # why this dtype (GET /v1/models/{id} shows it)
 
 
 def read_specs(models_file: Path) -> list[ModelSpec]:
@@ -85,15 +86,6 @@ def pick_device(name: str) -> torch.device:
     if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        is_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if is_bf16 else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def resolve_source(spec: ModelSpec, cache_dir: Path) -> str:
@@ -139,11 +131,13 @@ def load_model(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
 
 
 def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = pick_device(spec.device)
-    dtype = pick_dtype(spec.dtype, device)
     where = resolve_source(spec, cache_dir)
+    choice: DtypeChoice = choose_dtype(spec.dtype, device, AutoConfig.from_pretrained(where))
+    log.info("model %s: %s (%s)", spec.id, choice.name, choice.reason)
+    dtype = choice.dtype
     tokenizer = AutoTokenizer.from_pretrained(where)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).to(device).eval()
     reason = unsupported_reason(model)
@@ -163,6 +157,7 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
         max_context=int(max_context),
         eos_ids=_eos_ids(model, tokenizer),
         max_token_bytes=_max_token_bytes(tokenizer),
+        dtype_reason=choice.reason,
     )
 
 

@@ -214,6 +214,21 @@ def test_models_health_ready(client):
     assert client.get("/ready").json()["status"] == "ready"
 
 
+def test_one_model_object_says_dtype_context_and_kv_size(client):
+    tiny = client.get("/v1/models/tiny").json()
+    assert tiny["id"] == "tiny"
+    assert tiny["status"] == "ready"
+    assert tiny["max_model_len"] == 4096
+    assert tiny["dtype"] == "float64"
+    assert tiny["dtype_reason"] == "configured in models.toml"
+    config = client.app.state.host.engines["tiny"].loaded.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert tiny["kv_bytes_per_token"] == 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 8
+    missing = client.get("/v1/models/no-such")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+
+
 def test_delete_session(client):
     chat_turn(client, "gone", [{"role": "user", "content": "Hello"}])
     assert client.delete("/v1/sessions/gone").json()["deleted"] is True

@@ -8,6 +8,8 @@ decides at admission, by itself, whether a snapshot is worth reading.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 
 import pytest
 import torch
@@ -175,3 +177,33 @@ def test_forgetting_a_session_never_drops_a_block_of_another():
     Offloader(None, manager, store, TierStore(0, 0, None), "m", "fp").discard_forgotten()  # type: ignore[arg-type]
     # `gone`'s own second block was never there: the partially matching block is `kept`'s, and stays
     assert manager.match("default", kept, 6).num_tokens == 6
+
+
+async def test_a_snapshot_of_another_dtype_is_recomputed_not_misread(tiny, tmp_path, caplog):
+    tiers = TierStore(0, 1 << 30, tmp_path / "kv")
+    store = SessionStore(ttl_s=3600, forgetters=(tiers,))
+    engine = make_engine(tiny, store=store, tiers=tiers, budget_bytes=64 * BLOCK * TOKEN_BYTES, block_size=BLOCK)
+    prompt = words(tiny, "The quick brown fox jumps over the lazy dog.")
+    try:
+        first = await run(engine, prompt, session="a", max_tokens=4, ignore_eos=True)
+    finally:
+        engine.stop()
+    assert engine.save_sessions() == 1
+    tiers.flush()
+    tiers.close()
+    # The same weights served in float32 (as `dtype: auto` may pick on another machine): the float64 K/V on disk
+    # would be read as garbage, so the next turn computes its prompt.
+    as_fp32 = dataclasses.replace(tiny, model=copy.deepcopy(tiny.model).float(), dtype=torch.float32)
+    tiers = TierStore(0, 1 << 30, tmp_path / "kv")
+    assert tiers.scan() == 1
+    engine = make_engine(as_fp32, store=store, tiers=tiers, budget_bytes=64 * BLOCK * TOKEN_BYTES, block_size=BLOCK)
+    try:
+        turn2 = prompt + first.token_ids + words(tiny, " Hello")
+        second = await run(engine, turn2, session="a", max_tokens=3, ignore_eos=True)
+        assert second.admitted.source == "none"
+        assert second.usage.cached_tokens == 0
+        assert second.token_ids == reference_greedy(as_fp32.model, turn2, 3)
+        assert "restoring K/V from a snapshot failed" not in caplog.text  # not even tried: its fingerprint differs
+    finally:
+        engine.stop()
+        tiers.close()

@@ -4,23 +4,36 @@ from fastapi import APIRouter, Depends
 
 from server.hosting import ModelHost
 from server.http import deps
+from server.openai.errors import ApiError
 
 router = APIRouter()
 
 
 @router.get("/v1/models", summary="Configured models and whether each is ready")
 async def list_models(host: ModelHost = Depends(deps.host)) -> dict:
-    data = []
-    for model_id, state in host.states.items():
-        engine = host.engines.get(model_id)
-        data.append(
-            {
-                "id": model_id,
-                "object": "model",
-                "created": 0,
-                "owned_by": "kvserve",
-                "status": state.status,
-                "max_model_len": engine.loaded.max_context if engine else None,
-            }
-        )
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [model_object(host, model_id) for model_id in host.states]}
+
+
+@router.get("/v1/models/{model_id:path}", summary="One model: readiness, context length, dtype and K/V size")
+async def get_model(model_id: str, host: ModelHost = Depends(deps.host)) -> dict:
+    if model_id not in host.states:
+        raise ApiError(404, "model_not_found", f"model {model_id!r} does not exist", "model")
+    return model_object(host, model_id)
+
+
+def model_object(host: ModelHost, model_id: str) -> dict:
+    """OpenAI's model object, plus what a client sizing its requests wants to know (null until loaded)."""
+    engine = host.engines.get(model_id)
+    loaded = engine.loaded if engine else None
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kvserve",
+        "status": host.states[model_id].status,
+        "max_model_len": loaded.max_context if loaded else None,
+        "dtype": str(loaded.dtype).removeprefix("torch.") if loaded else None,
+        "dtype_reason": loaded.dtype_reason if loaded else None,
+        "device": loaded.device.type if loaded else None,
+        "kv_bytes_per_token": engine.token_bytes if engine else None,
+    }

@@ -1,0 +1,117 @@
+"""Which dtype a model computes (and keeps its K/V) in: `auto` decides per machine, by measuring.
+
+CUDA: bfloat16 where the GPU supports it, else float16. CPU: bfloat16 only where the CPU has
+bf16 instructions (AMX-BF16 or AVX512-BF16) *and* a turn's matrix products measure faster in
+it than in float32 on this machine; a CPU without them emulates bf16 and is slower. The turn
+measured is the model's own linear shapes (every layer plus the LM head) over one 256-token
+prefill chunk and 32 single-token decode steps. The choice and its reason are logged and
+shown in GET /v1/models/{id}.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("kvserve.registry")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+PREFILL_ROWS, DECODE_STEPS = 256, 32
+LM_HEAD_ROWS = 8192  # the LM head is timed on this many vocabulary rows and scaled: no 2 GB copy for a big vocab
+BF16_MARGIN = 0.9  # bf16 must be at least 10% faster: the measurement is noisy and fp32 is exact
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def choose_dtype(name: str, device: torch.device, config: Any) -> DtypeChoice:
+    """The dtype to load a model in; `config` (a transformers config) gives the shapes to measure."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; one of auto, {', '.join(DTYPES)}")
+        return DtypeChoice(DTYPES[name], "configured in models.toml")
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return DtypeChoice(torch.bfloat16, "auto: CUDA device with bfloat16 support")
+        return DtypeChoice(torch.float16, "auto: CUDA device without bfloat16 support")
+    if device.type != "cpu":
+        return DtypeChoice(torch.float32, f"auto: float32 on {device.type}")
+    flags = cpu_bf16_flags()
+    if not flags or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return DtypeChoice(torch.float32, "auto: this CPU has no bf16 instructions (AMX-BF16 or AVX512-BF16)")
+    fp32_ms = turn_ms(config, torch.float32)
+    bf16_ms = turn_ms(config, torch.bfloat16)
+    measured = (
+        f"a turn's matrix products ({PREFILL_ROWS}-token prefill + {DECODE_STEPS} decode steps) took "
+        f"{bf16_ms:.0f} ms in bfloat16 vs {fp32_ms:.0f} ms in float32"
+    )
+    if bf16_ms < BF16_MARGIN * fp32_ms:
+        return DtypeChoice(torch.bfloat16, f"auto: the CPU has {'+'.join(flags)}; {measured}")
+    return DtypeChoice(
+        torch.float32, f"auto: the CPU has {'+'.join(flags)} but bfloat16 is not faster here; {measured}"
+    )
+
+
+def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The bf16 instruction sets this CPU reports (Linux; elsewhere none, so float32)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            present = set(line.split(":", 1)[1].split())
+            return [flag for flag in BF16_FLAGS if flag in present]
+    return []
+
+
+def turn_ms(config: Any, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Milliseconds of one turn's linear layers for this model's shapes in this dtype (median of `repeats`)."""
+    text = config.get_text_config(decoder=True)
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    inter = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    shapes = [(heads * head_dim, hidden), (kv_heads * head_dim, hidden), (kv_heads * head_dim, hidden)]
+    shapes += [(hidden, heads * head_dim), (inter, hidden), (inter, hidden), (hidden, inter)]
+    vocab = int(text.vocab_size)
+    head_rows = min(vocab, LM_HEAD_ROWS)
+    weights = [torch.randn(shape, dtype=dtype) * 0.02 for shape in shapes]
+    head = torch.randn((head_rows, hidden), dtype=dtype) * 0.02
+    layers = int(text.num_hidden_layers)
+
+    def step(rows: int) -> float:
+        x = torch.randn((rows, hidden), dtype=dtype)
+        inner = torch.randn((rows, inter), dtype=dtype)
+        layer = _median_s(lambda: [F.linear(inner if w.shape[1] == inter else x, w) for w in weights], repeats)
+        last = x[-1:]  # logits of the sampled position only
+        lm_head = _median_s(lambda: F.linear(last, head), repeats) * vocab / head_rows
+        return layers * layer + lm_head
+
+    with torch.inference_mode():
+        step(8)  # warm-up: oneDNN builds its kernels on first use
+        return 1000 * (step(PREFILL_ROWS) + DECODE_STEPS * step(1))
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]

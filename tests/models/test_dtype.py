@@ -1,0 +1,57 @@
+"""`dtype: auto`: bf16 on a CPU only with bf16 instructions and when it measures faster; configured dtypes as given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.models import dtype as dtype_mod
+from server.models.dtype import choose_dtype, cpu_bf16_flags, turn_ms
+from tests.tiny import build_model
+
+CPU = torch.device("cpu")
+
+
+def tiny_config():
+    return build_model(vocab_size=300, eos_id=1).config
+
+
+def test_a_configured_dtype_is_used_as_is():
+    choice = choose_dtype("float64", CPU, tiny_config())
+    assert choice.dtype == torch.float64
+    assert choice.reason == "configured in models.toml"
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        choose_dtype("float8", CPU, tiny_config())
+
+
+def test_flags_are_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert cpu_bf16_flags(info) == ["amx_bf16", "avx512_bf16"]
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
+    assert cpu_bf16_flags(info) == []
+    assert cpu_bf16_flags(tmp_path / "absent") == []
+
+
+def test_a_cpu_without_bf16_instructions_stays_in_float32(monkeypatch):
+    monkeypatch.setattr(dtype_mod, "cpu_bf16_flags", lambda: [])
+    monkeypatch.setattr(dtype_mod, "turn_ms", lambda *a: pytest.fail("nothing to measure without bf16"))
+    choice = choose_dtype("auto", CPU, tiny_config())
+    assert choice.dtype == torch.float32
+    assert "no bf16 instructions" in choice.reason
+
+
+@pytest.mark.parametrize(
+    ("fp32_ms", "bf16_ms", "expected"), [(100.0, 40.0, torch.bfloat16), (100.0, 95.0, torch.float32)]
+)
+def test_bf16_is_picked_only_when_it_measures_faster(monkeypatch, fp32_ms, bf16_ms, expected):
+    monkeypatch.setattr(dtype_mod, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(dtype_mod, "turn_ms", lambda _config, dt: bf16_ms if dt == torch.bfloat16 else fp32_ms)
+    choice = choose_dtype("auto", CPU, tiny_config())
+    assert choice.dtype == expected
+    assert f"{bf16_ms:.0f} ms in bfloat16 vs {fp32_ms:.0f} ms in float32" in choice.reason
+
+
+def test_a_turn_is_measured_on_the_model_shapes():
+    assert 0 < turn_ms(tiny_config(), torch.float32, repeats=1) < 60_000
