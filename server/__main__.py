@@ -121,13 +121,19 @@ def _draining_server():
 
 def _prepare(settings: Settings) -> int:
     from server.hosting import resolve_specs
+    from server.kv import kernels
     from server.models.loader import ModelLoadError, load_model
 
     status = 0
+    if kernels.paged_decode_available():  # built now, not on the first start
+        print(f"paged decode kernel: built ({kernels.build_name()})")
+    else:
+        print(f"paged decode kernel: unavailable ({kernels.unavailable_reason()}); the SDPA path serves")
     for spec in resolve_specs(settings):
         try:
             loaded = load_model(spec, settings.cache_dir)
-            print(f"{spec.id}: ready ({loaded.device}, {loaded.dtype}, context {loaded.max_context})")
+            dtype = f"{loaded.dtype} ({loaded.dtype_reason})"
+            print(f"{spec.id}: ready ({loaded.device}, {dtype}, context {loaded.max_context})")
         except ModelLoadError as exc:
             print(f"error: {exc}", file=sys.stderr)
             status = 1

@@ -17,6 +17,7 @@ import torch
 from server.engine.inbox import WAKE, Inbox, Query, Submission
 from server.engine.model_runner import ModelRunner
 from server.engine.request import CANCELLED, SHUTTING_DOWN, SLOW_READER, Admitted, Failed, Finished
+from server.engine.sampler import batch_greedy
 from server.engine.scheduler import Admission, Row, Scheduler
 from server.engine.sequence import Sequence
 from server.kv import offload
@@ -196,16 +197,19 @@ class EngineLoop:
             self._finish(row.seq, failed, is_complete=False)
 
     def _postprocess(self, rows: list[Row], logits: torch.Tensor) -> None:
-        sampled = [row for row in rows if row.is_sampled]
-        for index, row in enumerate(sampled):
-            self._sample(row.seq, logits[index])
+        sampled = [row.seq for row in rows if row.is_sampled]
+        greedy = [index for index, seq in enumerate(sampled) if seq.sampler.is_plain_greedy]
+        chosen = dict(zip(greedy, batch_greedy(logits, greedy), strict=True)) if greedy else {}
+        for index, seq in enumerate(sampled):
+            self._sample(seq, logits[index], chosen.get(index))
         for row in rows:
             if row.seq.request.is_prefill_only and row.seq.is_prefilled:
                 self._finish(row.seq, Finished("length", row.seq.usage()), is_complete=True)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _sample(self, seq: Sequence, logits: torch.Tensor, chosen: int | None) -> None:
+        """Accept the token already chosen for this sequence (batched greedy), or sample its own."""
         try:
-            delta = seq.accept(*seq.sampler.sample(logits))
+            delta = seq.accept(chosen, None) if chosen is not None else seq.accept(*seq.sampler.sample(logits))
         except torch.OutOfMemoryError:
             self._finish(seq, Failed("out_of_memory", "the device ran out of memory"), is_complete=False)
             return

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from server.engine.scheduler import Row
-from server.kv.attention import STEP_KWARG, SeqSpan, StepMeta, install
+from server.kv import kernels
+from server.kv.attention import STEP_KWARG, DecodeRows, SeqSpan, StepMeta, install
 from server.kv.pool import KVLayout, KVPool
 from server.models.loader import LoadedModel
 
@@ -37,6 +38,8 @@ class ModelRunner:
         self.pool = KVPool(self.layout, num_blocks, block_size, loaded.device)
         self.fingerprint = self.layout.fingerprint(loaded.model)
         self.counter = ForwardCounter()
+        # Decode rows go to the paged kernel in one call per layer (CPU); otherwise each is an SDPA call.
+        self.uses_kernel = loaded.device.type == "cpu" and kernels.paged_decode_available()
         install(loaded.model)
 
     def run(self, rows: list[Row]) -> torch.Tensor:
@@ -62,20 +65,38 @@ class ModelRunner:
         slots: list[int] = []
         spans: list[SeqSpan] = []
         sampled_at: list[int] = []
+        decode_rows: list[int] = []
+        tables: list[list[int]] = []
+        context_lens: list[int] = []
         for row in rows:
             start = row.seq.num_computed
             end = start + len(row.token_ids)
             table = [b.block_id for b in row.seq.blocks]
             slots += self.pool.slot_ids(table, start, end)
-            spans.append(self._span(len(ids), len(row.token_ids), table, end))
+            if self.uses_kernel and len(row.token_ids) == 1:
+                decode_rows.append(len(ids))
+                tables.append(table)
+                context_lens.append(end)
+            else:
+                spans.append(self._span(len(ids), len(row.token_ids), table, end))
             ids += row.token_ids
             positions += range(start, end)
             if row.is_sampled:
                 sampled_at.append(len(ids) - 1)
         meta = StepMeta(self.pool, torch.tensor(slots, dtype=torch.long, device=device), spans)
+        if decode_rows:
+            meta.decode = self._decode_rows(decode_rows, tables, context_lens)
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)  # [1, T]
         return meta, input_ids, position_ids, torch.tensor(sampled_at, dtype=torch.long, device=device)
+
+    def _decode_rows(self, rows: list[int], tables: list[list[int]], context_lens: list[int]) -> DecodeRows:
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        return DecodeRows(int32(rows), int32(padded), int32(context_lens))
 
     def _span(self, q_start: int, q_len: int, table: list[int], ctx_len: int) -> SeqSpan:
         bs = self.pool.block_size

@@ -28,6 +28,9 @@ class Sampler:
         if prompt_ids and self.is_tracking:
             self.seen[torch.tensor(prompt_ids, device=device)] = True
         self.bias = _bias_tensor(params.logit_bias, vocab_size, device)
+        # Greedy with nothing to adjust or report: the step takes its token from one argmax over the whole batch.
+        self.is_plain_greedy = params.is_greedy and not self.is_tracking and self.bias is None
+        self.is_plain_greedy &= params.num_logprobs is None
 
     def observe(self, token_id: int) -> None:
         if self.is_tracking:  # penalties need counts; skip the tensor writes otherwise
@@ -71,6 +74,13 @@ class Sampler:
             values, ids = torch.topk(logprobs, k)
             top = list(zip(ids.tolist(), values.tolist(), strict=True))
         return TokenLogprob(token_id, float(logprobs[token_id]), top)
+
+
+def batch_greedy(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """The argmax of each of these rows of the step's logits [R, V], in one call."""
+    if len(rows) == logits.shape[0]:
+        return logits.argmax(dim=-1).tolist()
+    return logits[rows].argmax(dim=-1).tolist()
 
 
 def _truncate(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

@@ -3,10 +3,14 @@
 One engine step is one forward pass over a packed row of tokens from many sequences ([1, T]);
 the step's metadata rides along as a forward kwarg (`kvserve_step`), which transformers hands
 to every layer's attention function. There the new K/V are written to their slots and each
-sequence attends to its own slots. transformers also passes the layer's `sliding_window` (a
-key is visible when query_pos - key_pos < window) and `softcap` (Gemma-2's tanh capping of
-the scores): both are honoured here. Called without the step kwarg (HF generate in tests) it
-is plain attention over the tensors it is given.
+sequence attends to its own slots: every single-token row of the step (the decode rows) in one
+call of the paged decode kernel (server/kv/csrc), which reads the pool through the block tables;
+each multi-token span (a prefill chunk) in one SDPA call, on a view of the pool when its blocks
+are consecutive. Without the kernel (no compiler, or CUDA) decode rows are spans too.
+transformers also passes the layer's `sliding_window` (a key is visible when
+query_pos - key_pos < window) and `softcap` (Gemma-2's tanh capping of the scores): both are
+honoured on both paths. Called without the step kwarg (HF generate in tests) it is plain
+attention over the tensors it is given.
 """
 
 from __future__ import annotations
@@ -64,11 +68,21 @@ class SeqSpan:
         return self._masks[window]
 
 
+@dataclass(slots=True, frozen=True)
+class DecodeRows:
+    """The step's single-token rows, for the paged decode kernel (int32, on the pool's device)."""
+
+    rows: torch.Tensor  # [B] their index in the packed row
+    block_tables: torch.Tensor  # [B, max blocks] each row's blocks in order (padded with 0)
+    context_lens: torch.Tensor  # [B] keys each attends to, its own token last
+
+
 @dataclass(slots=True)
 class StepMeta:
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
-    spans: list[SeqSpan]
+    spans: list[SeqSpan]  # the rows attended to one SDPA call each
+    decode: DecodeRows | None = None  # the rows the kernel attends to in one call
 
 
 def attend(
@@ -109,6 +123,21 @@ def paged_attention(
     k_pool.index_copy_(1, step.slot_mapping, key[0].to(k_pool.dtype))
     v_pool.index_copy_(1, step.slot_mapping, value[0].to(v_pool.dtype))
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
+    if step.decode is not None:
+        d = step.decode
+        torch.ops.kvserve.paged_decode(
+            query[0].transpose(0, 1),  # [T, H, D], a view
+            k_pool,
+            v_pool,
+            out,
+            d.rows,
+            d.block_tables,
+            d.context_lens,
+            step.pool.block_size,
+            sliding_window or 0,
+            scale,
+            softcap or 0.0,
+        )
     for span in step.spans:
         lo, hi = span.keys(sliding_window)
         if span.ctx_slots is None:

@@ -161,7 +161,7 @@ async def test_a_failing_request_fails_alone(engine, tiny, monkeypatch):
     monkeypatch.setattr(Sampler, "sample", flaky)
     prompt = ids(tiny, "Hello world")
     bad, good = await asyncio.gather(
-        run(engine, prompt, session="f", rid="bad", seed=666, max_tokens=5),
+        run(engine, prompt, session="f", rid="bad", seed=666, temperature=0.8, max_tokens=5),  # sampled alone
         run(engine, prompt, rid="good", seed=1, max_tokens=5, ignore_eos=True),
     )
     assert bad.error.code == "internal_error"

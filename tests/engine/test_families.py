@@ -20,6 +20,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from server.kv import kernels
 from server.kv.attention import unsupported_reason
 from server.models.loader import ModelLoadError, ModelSpec, load_model
 from tests.helpers import make_engine, reference_greedy, run
@@ -67,12 +68,16 @@ def hf_reference(directory):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, attn_implementation="eager").eval()
 
 
+@pytest.mark.parametrize("path", ["kernel", "sdpa"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-async def test_paged_engine_matches_generate(family, tokenizer, tmp_path):
+async def test_paged_engine_matches_generate(family, path, tokenizer, tmp_path, monkeypatch):
     spec = save_family(family, tokenizer, tmp_path)
     loaded = load_model(spec, tmp_path)
     reference = hf_reference(tmp_path)
+    if path == "sdpa":  # the portable path: a machine without a compiler
+        monkeypatch.setattr(kernels, "paged_decode_available", lambda: False)
     engine = make_engine(loaded, budget_bytes=1 << 22, block_size=4)
+    assert engine.runner.uses_kernel == (path == "kernel")
     try:
         prompt = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
         assert len(prompt) > 2 * WINDOW

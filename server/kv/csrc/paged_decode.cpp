@@ -1,0 +1,232 @@
+// Paged attention for decode rows on the CPU: every sequence of a step that feeds one token, in one call.
+//
+// Each decode row's query attends to its sequence's context where it lies in the pool, read through the
+// sequence's block table: no K/V is gathered or copied. Work is split over (row, kv head) pairs; each pair
+// walks its context one block at a time with an online softmax (scores, running max and sum in the opmath
+// type: float for bf16/fp16/fp32, double for fp64), so the G query heads sharing a kv head read each key and
+// value once. The new token's own K/V must already be in the pool (the caller writes it first).
+//
+//   query        [T, H, D]       the packed row's queries (any strides; D contiguous)
+//   k_pool/v_pool [kvH, S, D]    the layer's pool (contiguous)
+//   out          [T, H, D]       written at the decode rows only (D contiguous)
+//   rows         [B] int32       which rows of the packed row are decode rows
+//   block_tables [B, M] int32    each decode row's blocks, in order
+//   context_lens [B] int32       keys each decode row attends to (its own token is the last)
+//   window > 0: a key is visible when (ctx - 1) - key_pos < window; softcap > 0: tanh(s / cap) * cap.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Converts n contiguous elements to the accumulation type (a plain loop the compiler vectorizes).
+template <typename scalar_t, typename acc_t>
+inline void load(acc_t* dst, const scalar_t* src, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(src[i]);
+}
+
+template <>
+inline void load<c10::BFloat16, float>(float* dst, const c10::BFloat16* src, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is fp32's top half
+}
+
+// scores[j] = q . keys[j] for n keys of `dim` elements, four keys at a time: four independent sums keep the
+// vector units busy where one sum at a time would wait on each horizontal add.
+template <typename acc_t>
+inline void dot_keys(const acc_t* q, const acc_t* keys, acc_t* scores, int64_t n, int64_t dim) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const acc_t *k0 = keys + j * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+    acc_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t d = 0; d < dim; ++d) {
+      s0 += q[d] * k0[d];
+      s1 += q[d] * k1[d];
+      s2 += q[d] * k2[d];
+      s3 += q[d] * k3[d];
+    }
+    scores[j] = s0;
+    scores[j + 1] = s1;
+    scores[j + 2] = s2;
+    scores[j + 3] = s3;
+  }
+  for (; j < n; ++j) {
+    const acc_t* k = keys + j * dim;
+    acc_t s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < dim; ++d) s += q[d] * k[d];
+    scores[j] = s;
+  }
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+// The bf16 form: pairs of bf16 products summed into fp32 by one AVX512-BF16 instruction (vdpbf16ps), read
+// straight from the pool with no conversion; `dim` is a multiple of 32. `q` is unscaled: the scale comes after.
+inline void dot_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* keys, float* scores, int64_t n, int64_t dim,
+                          float scale) {
+  auto at = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const c10::BFloat16* k0 = keys + j * dim;
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 32) {
+      const __m512bh qd = at(q + d);
+      s0 = _mm512_dpbf16_ps(s0, qd, at(k0 + d));
+      s1 = _mm512_dpbf16_ps(s1, qd, at(k0 + dim + d));
+      s2 = _mm512_dpbf16_ps(s2, qd, at(k0 + 2 * dim + d));
+      s3 = _mm512_dpbf16_ps(s3, qd, at(k0 + 3 * dim + d));
+    }
+    scores[j] = _mm512_reduce_add_ps(s0) * scale;
+    scores[j + 1] = _mm512_reduce_add_ps(s1) * scale;
+    scores[j + 2] = _mm512_reduce_add_ps(s2) * scale;
+    scores[j + 3] = _mm512_reduce_add_ps(s3) * scale;
+  }
+  for (; j < n; ++j) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 32) s = _mm512_dpbf16_ps(s, at(q + d), at(keys + j * dim + d));
+    scores[j] = _mm512_reduce_add_ps(s) * scale;
+  }
+}
+#else
+constexpr bool kHasBf16Dot = false;
+inline void dot_keys_bf16(const c10::BFloat16*, const c10::BFloat16*, float*, int64_t, int64_t, float) {}
+#endif
+
+template <typename scalar_t>
+void decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
+                 const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                 int64_t block_size, int64_t window, double scale, double softcap) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t num_rows = rows.size(0), num_heads = query.size(1), dim = query.size(2);
+  const int64_t num_kv_heads = k_pool.size(0), pool_slots = k_pool.size(1);
+  const int64_t groups = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_pool.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_pool.data_ptr<scalar_t>();
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();
+  const int32_t* row_ids = rows.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const acc_t cap = static_cast<acc_t>(softcap);
+  const acc_t lowest = std::numeric_limits<acc_t>::lowest();  // not -inf: built with -ffast-math
+  const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && kHasBf16Dot && dim % 32 == 0;
+
+  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> q(groups * dim), acc(groups * dim), scores(groups * block_size), run_max(groups), run_sum(groups);
+    std::vector<acc_t> keys(block_size * dim), values(block_size * dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t row = row_ids[b], ctx = lens[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        load(q.data() + g * dim, q_ptr + row * q_row + (kv_head * groups + g) * q_head, dim);
+        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] *= static_cast<acc_t>(scale);
+      }
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      std::fill(run_max.begin(), run_max.end(), lowest);
+      std::fill(run_sum.begin(), run_sum.end(), acc_t(0));
+      const scalar_t* k_head = k_ptr + kv_head * pool_slots * dim;
+      const scalar_t* v_head = v_ptr + kv_head * pool_slots * dim;
+      for (int64_t blk = lo / block_size; blk * block_size < ctx; ++blk) {
+        // A block's slots are consecutive: its keys (and values) are one contiguous run of n rows.
+        const int64_t first = std::max(lo, blk * block_size), last = std::min(ctx, (blk + 1) * block_size);
+        const int64_t n = last - first;
+        const int64_t slot0 = static_cast<int64_t>(tables[b * max_blocks + blk]) * block_size + (first - blk * block_size);
+        if (!bf16_dot) load(keys.data(), k_head + slot0 * dim, n * dim);
+        load(values.data(), v_head + slot0 * dim, n * dim);
+        for (int64_t g = 0; g < groups; ++g) {
+          const acc_t* qg = q.data() + g * dim;
+          acc_t* sg = scores.data() + g * block_size;
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+            if (bf16_dot) {
+              const scalar_t* q_raw = q_ptr + row * q_row + (kv_head * groups + g) * q_head;
+              dot_keys_bf16(q_raw, k_head + slot0 * dim, sg, n, dim, static_cast<float>(scale));
+            } else {
+              dot_keys(qg, keys.data(), sg, n, dim);
+            }
+          } else {
+            dot_keys(qg, keys.data(), sg, n, dim);
+          }
+          if (softcap > 0) {
+            for (int64_t j = 0; j < n; ++j) sg[j] = std::tanh(sg[j] / cap) * cap;
+          }
+          acc_t new_max = run_max[g];
+          for (int64_t j = 0; j < n; ++j) new_max = std::max(new_max, sg[j]);
+          const acc_t correction = std::exp(run_max[g] - new_max);
+          acc_t block_sum = 0;
+#pragma omp simd reduction(+ : block_sum)
+          for (int64_t j = 0; j < n; ++j) {
+            sg[j] = std::exp(sg[j] - new_max);
+            block_sum += sg[j];
+          }
+          run_sum[g] = run_sum[g] * correction + block_sum;
+          run_max[g] = new_max;
+          acc_t* ag = acc.data() + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
+          for (int64_t j = 0; j < n; ++j) {
+            const acc_t p = sg[j];
+            const acc_t* value = values.data() + j * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) ag[d] += p * value[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        scalar_t* dst = o_ptr + row * o_row + (kv_head * groups + g) * o_head;
+        const acc_t inv = acc_t(1) / run_sum[g];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+void paged_decode(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
+                  const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                  int64_t block_size, int64_t window, double scale, double softcap) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && k_pool.dim() == 3, "paged_decode: query/out [T,H,D], pool [kvH,S,D]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "paged_decode: the head dimension must be contiguous");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "paged_decode: the pool must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_pool.scalar_type() && out.scalar_type() == k_pool.scalar_type(),
+              "paged_decode: query, pool and out must share a dtype");
+  TORCH_CHECK(query.size(1) % k_pool.size(0) == 0, "paged_decode: heads must be a multiple of kv heads");
+  TORCH_CHECK(rows.scalar_type() == at::kInt && block_tables.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt,
+              "paged_decode: rows, block tables and context lengths are int32");
+  TORCH_CHECK(rows.is_contiguous() && block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "paged_decode: metadata must be contiguous");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    decode_rows<scalar_t>(query, k_pool, v_pool, out, rows, block_tables, context_lens, block_size, window, scale,
+                          softcap);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve, m) {
+  m.def(
+      "paged_decode(Tensor query, Tensor k_pool, Tensor v_pool, Tensor(a!) out, Tensor rows, Tensor block_tables, "
+      "Tensor context_lens, int block_size, int window, float scale, float softcap) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
