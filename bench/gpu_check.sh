@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The GPU check, for a lent machine with only its own torch and transformers (about 5 minutes on an H200):
+# the CUDA-marked tests, then bench/gpu_check.py on a random-weight Llama-3.2-1B-shaped model (no download).
+# Without CUDA it runs the same on a small shape, so CI proves the script on a CPU.
+#   bench/gpu_check.sh                 (extra arguments go to bench/gpu_check.py)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    shape=1b
+    extra=()
+else
+    shape=small
+    extra=(--prompt-tokens 32 --max-tokens 16 --history-tokens 256 --kv-gib 1)
+fi
+"$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/engine/test_cuda.py
+"$PYTHON" bench/gpu_check.py --shape "$shape" "${extra[@]}" "$@"
