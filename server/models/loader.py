@@ -18,6 +18,7 @@ import torch
 from server.kv.attention import unsupported_reason
 from server.models.convert import convert_gguf, gguf_cache_dir
 from server.models.dtype import DtypeChoice, choose_dtype
+from server.models.packed_linear import can_pack, pack_linears
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -143,6 +144,9 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
     reason = unsupported_reason(model)
     if reason is not None:
         raise ModelLoadError(f"model {spec.id!r} cannot be served: {reason}")
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if can_pack(model, device, dtype):
+        log.info("model %s: %d linear layers packed for oneDNN (bf16 on the CPU)", spec.id, pack_linears(model))
     if spec.chat_template:
         tokenizer.chat_template = _read_template(spec)
     config = model.config.get_text_config(decoder=True)
@@ -153,7 +157,7 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
         tokenizer=tokenizer,
         device=device,
         dtype=dtype,
-        vocab_size=model.get_output_embeddings().weight.shape[0],
+        vocab_size=vocab_size,
         max_context=int(max_context),
         eos_ids=_eos_ids(model, tokenizer),
         max_token_bytes=_max_token_bytes(tokenizer),

@@ -1,0 +1,36 @@
+"""Packed bf16 linears answer as the plain ones do (same oneDNN products, another weight layout)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from server.models.packed_linear import PackedLinear, can_pack, pack_linears
+from tests.tiny import build_model
+
+pytestmark = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bf16 kernels"
+)
+
+
+def test_a_packed_model_gives_the_plain_models_logits():
+    plain = build_model(vocab_size=300, eos_id=1).to(torch.bfloat16)
+    packed = copy.deepcopy(plain)
+    assert can_pack(packed, torch.device("cpu"), torch.bfloat16)
+    assert pack_linears(packed) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    assert isinstance(packed.lm_head, PackedLinear)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+    with torch.inference_mode():
+        for rows in (ids[:, :1], ids):  # a decode step's one row and a prefill's many
+            expected = plain(input_ids=rows).logits.float()
+            got = packed(input_ids=rows).logits.float()
+            assert torch.allclose(got, expected, atol=2e-2, rtol=2e-2), (got - expected).abs().max()
+            assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_only_bf16_on_the_cpu_is_packed():
+    model = build_model(vocab_size=300, eos_id=1)
+    assert not can_pack(model, torch.device("cpu"), torch.float32)
+    assert not can_pack(model, torch.device("cuda"), torch.bfloat16)
