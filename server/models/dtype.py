@@ -3,8 +3,8 @@
 CUDA: bfloat16 where the GPU supports it, else float16. CPU: bfloat16 only where the CPU has
 bf16 instructions (AMX-BF16 or AVX512-BF16) *and* a turn's matrix products measure faster in
 it than in float32 on this machine; a CPU without them emulates bf16 and is slower. The turn
-measured is the model's own linear shapes (every layer plus the LM head) over one 256-token
-prefill chunk and 32 single-token decode steps. The choice and its reason are logged and
+measured is the model's own linear shapes (every layer plus the LM head, bf16 ones packed as
+served) over one 256-token prefill chunk and 32 single-token decode steps. The choice and its reason are logged and
 shown in GET /v1/models/{id}.
 """
 
@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch import nn
+
+from server.models.packed_linear import PackedLinear
 
 log = logging.getLogger("kvserve.registry")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -91,21 +93,28 @@ def turn_ms(config: Any, dtype: torch.dtype, repeats: int = 5) -> float:
     shapes += [(hidden, heads * head_dim), (inter, hidden), (inter, hidden), (hidden, inter)]
     vocab = int(text.vocab_size)
     head_rows = min(vocab, LM_HEAD_ROWS)
-    weights = [torch.randn(shape, dtype=dtype) * 0.02 for shape in shapes]
-    head = torch.randn((head_rows, hidden), dtype=dtype) * 0.02
+    weights = [_layer(torch.randn(shape, dtype=dtype) * 0.02) for shape in shapes]
+    head = _layer(torch.randn((head_rows, hidden), dtype=dtype) * 0.02)
     layers = int(text.num_hidden_layers)
 
     def step(rows: int) -> float:
         x = torch.randn((rows, hidden), dtype=dtype)
         inner = torch.randn((rows, inter), dtype=dtype)
-        layer = _median_s(lambda: [F.linear(inner if w.shape[1] == inter else x, w) for w in weights], repeats)
+        layer = _median_s(lambda: [w(inner if w.in_features == inter else x) for w in weights], repeats)
         last = x[-1:]  # logits of the sampled position only
-        lm_head = _median_s(lambda: F.linear(last, head), repeats) * vocab / head_rows
+        lm_head = _median_s(lambda: head(last), repeats) * vocab / head_rows
         return layers * layer + lm_head
 
     with torch.inference_mode():
         step(8)  # warm-up: oneDNN builds its kernels on first use
         return 1000 * (step(PREFILL_ROWS) + DECODE_STEPS * step(1))
+
+
+def _layer(weight: torch.Tensor) -> nn.Module:
+    """A linear layer as the server would run it: bf16 ones packed for oneDNN (server/models/packed_linear.py)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    linear.weight.data = weight
+    return PackedLinear(linear) if weight.dtype == torch.bfloat16 else linear
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
