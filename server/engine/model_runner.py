@@ -19,6 +19,11 @@ from server.kv.attention import STEP_KWARG, DecodeRows, SeqSpan, StepMeta, insta
 from server.kv.pool import KVLayout, KVPool
 from server.models.loader import LoadedModel
 
+# Decode rows with at most this many keys go to the paged kernel, all in one call; longer ones to SDPA, one call
+# each. Measured on a 2-core Xeon (bench/attention_cost.py): the kernel saves SDPA's per-call cost, which is most
+# of a short row's time, but streams a long context slower than SDPA's flash kernel (they cross at 256-384 keys).
+KERNEL_MAX_CONTEXT = 256
+
 
 @dataclass(slots=True)
 class ForwardCounter:
@@ -73,7 +78,7 @@ class ModelRunner:
             end = start + len(row.token_ids)
             table = [b.block_id for b in row.seq.blocks]
             slots += self.pool.slot_ids(table, start, end)
-            if self.uses_kernel and len(row.token_ids) == 1:
+            if self.uses_kernel and len(row.token_ids) == 1 and end <= KERNEL_MAX_CONTEXT:
                 decode_rows.append(len(ids))
                 tables.append(table)
                 context_lens.append(end)
@@ -93,6 +98,7 @@ class ModelRunner:
     def _decode_rows(self, rows: list[int], tables: list[list[int]], context_lens: list[int]) -> DecodeRows:
         width = max(len(table) for table in tables)
         padded = [table + [0] * (width - len(table)) for table in tables]
+
         def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=self.device)
 
