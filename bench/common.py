@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -72,16 +73,24 @@ class StreamTimer:
 
 
 def spawn_server(
-    extra_args: list[str] | None = None, env: dict | None = None, root: Path = ROOT
+    extra_args: list[str] | None = None, env: dict | None = None, root: Path = ROOT, log: Path | None = None
 ) -> tuple[subprocess.Popen, str]:
-    """`kvserve serve` from the source tree at `root` (another checkout for before/after runs) on a free port."""
+    """`kvserve serve` from the source tree at `root` (another checkout for before/after runs) on a free port.
+
+    Its output goes to `log` when given, else to this process's stdout and stderr.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(
-        cmd + (extra_args or []), cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    )
+    with open(log, "w") if log else contextlib.nullcontext() as out:
+        proc = subprocess.Popen(
+            cmd + (extra_args or []),
+            cwd=root,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT if log else None,
+        )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
