@@ -10,7 +10,10 @@ shown in GET /v1/models/{id}.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 PREFILL_ROWS, DECODE_STEPS = 256, 32
 LM_HEAD_ROWS = 8192  # the LM head is timed on this many vocabulary rows and scaled: no 2 GB copy for a big vocab
+ROUNDS = 3  # measurements of each dtype, alternating; the best of each counts
 BF16_MARGIN = 0.9  # bf16 must be at least 10% faster: the measurement is noisy and fp32 is exact
 
 
@@ -40,8 +44,13 @@ class DtypeChoice:
         return str(self.dtype).removeprefix("torch.")
 
 
-def choose_dtype(name: str, device: torch.device, config: Any) -> DtypeChoice:
-    """The dtype to load a model in; `config` (a transformers config) gives the shapes to measure."""
+def choose_dtype(name: str, device: torch.device, config: Any, memo: Path | None = None) -> DtypeChoice:
+    """The dtype to load a model in; `config` (a transformers config) gives the shapes to measure.
+
+    On a CPU the measurement is kept in `memo` (a JSON file in the model cache), keyed by the model's
+    shapes, the CPU and torch: later starts on this machine reuse it, so the choice (and with it the K/V
+    snapshots' fingerprint) does not flip with a noisy neighbour, and a start costs no measuring.
+    """
     if name != "auto":
         if name not in DTYPES:
             raise ValueError(f"unknown dtype {name!r}; one of auto, {', '.join(DTYPES)}")
@@ -55,17 +64,68 @@ def choose_dtype(name: str, device: torch.device, config: Any) -> DtypeChoice:
     flags = cpu_bf16_flags()
     if not flags or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return DtypeChoice(torch.float32, "auto: this CPU has no bf16 instructions (AMX-BF16 or AVX512-BF16)")
-    fp32_ms = turn_ms(config, torch.float32)
-    bf16_ms = turn_ms(config, torch.bfloat16)
+    key = _memo_key(config, flags)
+    remembered = _read_memo(memo, key)
+    if remembered is not None:
+        return remembered
+    fp32_ms = bf16_ms = float("inf")
+    for _ in range(ROUNDS):  # alternating, best of each: a burst of load on the machine hits both or neither
+        fp32_ms = min(fp32_ms, turn_ms(config, torch.float32))
+        bf16_ms = min(bf16_ms, turn_ms(config, torch.bfloat16))
     measured = (
         f"a turn's matrix products ({PREFILL_ROWS}-token prefill + {DECODE_STEPS} decode steps) took "
         f"{bf16_ms:.0f} ms in bfloat16 vs {fp32_ms:.0f} ms in float32"
     )
     if bf16_ms < BF16_MARGIN * fp32_ms:
-        return DtypeChoice(torch.bfloat16, f"auto: the CPU has {'+'.join(flags)}; {measured}")
-    return DtypeChoice(
-        torch.float32, f"auto: the CPU has {'+'.join(flags)} but bfloat16 is not faster here; {measured}"
-    )
+        choice = DtypeChoice(torch.bfloat16, f"auto: the CPU has {'+'.join(flags)}; {measured}")
+    else:
+        reason = f"auto: the CPU has {'+'.join(flags)} but bfloat16 is not faster here; {measured}"
+        choice = DtypeChoice(torch.float32, reason)
+    _write_memo(memo, key, choice)
+    return choice
+
+
+def _memo_key(config: Any, flags: list[str]) -> str:
+    text = config.get_text_config(decoder=True)
+    shape = [getattr(text, f, None) for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")]
+    shape += [getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)]
+    return f"{_cpu_model()}|{os.cpu_count()} cpus|{'+'.join(flags)}|torch {torch.__version__}|{shape}"
+
+
+def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read_memo(memo: Path | None, key: str) -> DtypeChoice | None:
+    if memo is None:
+        return None
+    try:
+        entry = json.loads(memo.read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    if not entry or entry.get("dtype") not in DTYPES:
+        return None
+    return DtypeChoice(DTYPES[entry["dtype"]], f"{entry['reason']} (measured on this machine earlier: {memo})")
+
+
+def _write_memo(memo: Path | None, key: str, choice: DtypeChoice) -> None:
+    if memo is None:
+        return
+    try:
+        known = json.loads(memo.read_text()) if memo.exists() else {}
+        known[key] = {"dtype": choice.name, "reason": choice.reason}
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        partial = memo.with_suffix(".partial")
+        partial.write_text(json.dumps(known, indent=1))
+        partial.replace(memo)
+    except (OSError, ValueError) as exc:  # a read-only cache: measure again next start
+        log.warning("could not keep the dtype measurement in %s: %s", memo, exc)
 
 
 def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:

@@ -26,6 +26,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 log = logging.getLogger("kvserve.registry")
+DTYPE_MEMO = "dtype-choices.json"  # in the cache dir: what `dtype: auto` measured on this machine
 
 
 class ModelLoadError(Exception):
@@ -136,7 +137,7 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
 
     device = pick_device(spec.device)
     where = resolve_source(spec, cache_dir)
-    choice: DtypeChoice = choose_dtype(spec.dtype, device, AutoConfig.from_pretrained(where))
+    choice: DtypeChoice = choose_dtype(spec.dtype, device, AutoConfig.from_pretrained(where), cache_dir / DTYPE_MEMO)
     log.info("model %s: %s (%s)", spec.id, choice.name, choice.reason)
     dtype = choice.dtype
     tokenizer = AutoTokenizer.from_pretrained(where)

@@ -58,3 +58,26 @@ def test_a_turn_is_measured_on_the_model_shapes(dtype):
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no oneDNN bf16 kernels on this CPU")
     assert 0 < turn_ms(tiny_config(), dtype, repeats=1) < 60_000
+
+
+def test_a_measurement_is_kept_for_later_starts_on_this_machine(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(dtype_mod, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(
+        dtype_mod, "turn_ms", lambda _c, dt: calls.append(dt) or (40.0 if dt == torch.bfloat16 else 100.0)
+    )
+    memo = tmp_path / "cache" / "dtype-choices.json"
+    first = choose_dtype("auto", CPU, tiny_config(), memo)
+    assert first.dtype == torch.bfloat16
+    assert len(calls) == 2 * dtype_mod.ROUNDS
+    monkeypatch.setattr(dtype_mod, "turn_ms", lambda *a: pytest.fail("measured again"))
+    again = choose_dtype("auto", CPU, tiny_config(), memo)  # a later start: the same answer, no measuring
+    assert again.dtype == torch.bfloat16
+    assert "measured on this machine earlier" in again.reason
+    other = build_model(vocab_size=300, eos_id=1).config
+    other.hidden_size = 128  # another model's shapes are measured for themselves
+    monkeypatch.setattr(dtype_mod, "turn_ms", lambda _c, dt: 100.0)
+    assert choose_dtype("auto", CPU, other, memo).dtype == torch.float32
+    memo.write_text("not json")  # a damaged memo is measured anew, never trusted
+    assert choose_dtype("auto", CPU, tiny_config(), memo).dtype == torch.float32
