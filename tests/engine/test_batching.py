@@ -67,35 +67,6 @@ async def test_batched_equals_unbatched(tiny32):
     assert expected[0].token_ids == reference_greedy(tiny32.model, ids(tiny32, prompt), kw["max_tokens"])
 
 
-async def test_short_and_long_rows_of_one_step_take_both_attention_paths(tiny32, monkeypatch):
-    from server.engine import model_runner
-
-    monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 24)  # the short prompts' rows: kernel; the long: SDPA
-    engine = batching_engine(tiny32, max_batch_tokens=256)
-    if not engine.runner.uses_kernel:
-        engine.stop()
-        pytest.skip("no C++ compiler: every row is an SDPA call")
-    seen: list[tuple[int, int]] = []
-    prepare = engine.runner._prepare
-
-    def spy(rows):
-        meta, *rest = prepare(rows)
-        seen.append((0 if meta.decode is None else len(meta.decode.rows), len(meta.spans)))
-        return (meta, *rest)
-
-    monkeypatch.setattr(engine.runner, "_prepare", spy)
-    prompts = [ids(tiny32, "Paris is"), ids(tiny32, "The quick brown fox jumps over the lazy dog. " * 4)]
-    try:
-        got = await asyncio.gather(
-            *(run(engine, p, rid=f"r{i}", max_tokens=10, ignore_eos=True) for i, p in enumerate(prompts))
-        )
-    finally:
-        engine.stop()
-    assert any(kernel_rows and sdpa_rows for kernel_rows, sdpa_rows in seen)  # one step used both
-    for prompt, result in zip(prompts, got, strict=True):
-        assert result.token_ids == reference_greedy(tiny32.model, prompt, 10)
-
-
 async def test_prefix_sharing_gives_the_same_ids_and_computes_less(tiny32):
     outputs = {}
     for caching in (False, True):
