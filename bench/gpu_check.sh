@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, for a lent machine with only its own torch and transformers (about 5 minutes on an H200):
+# The GPU check, for a lent machine with only its own packages (torch, transformers, pytest and sortedcontainers,
+# all in the H200 image; nothing else of kvserve's is imported), sized to finish inside 8 minutes there (not yet run on one):
 # the CUDA-marked tests, then bench/gpu_check.py on a random-weight Llama-3.2-1B-shaped model (no download).
 # Without CUDA it runs the same on a small shape, so CI proves the script on a CPU.
 #   bench/gpu_check.sh                 (extra arguments go to bench/gpu_check.py)

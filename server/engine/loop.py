@@ -199,7 +199,11 @@ class EngineLoop:
     def _postprocess(self, rows: list[Row], logits: torch.Tensor) -> None:
         sampled = [row.seq for row in rows if row.is_sampled]
         greedy = [index for index, seq in enumerate(sampled) if seq.sampler.is_plain_greedy]
-        chosen = dict(zip(greedy, batch_greedy(logits, greedy), strict=True)) if greedy else {}
+        chosen: dict[int, int] = {}
+        try:
+            chosen = dict(zip(greedy, batch_greedy(logits, greedy), strict=True)) if greedy else {}
+        except Exception:  # each row samples its own: a failure then fails that request alone
+            log.exception("batched greedy sampling failed; sampling row by row")
         for index, seq in enumerate(sampled):
             self._sample(seq, logits[index], chosen.get(index))
         for row in rows:

@@ -16,7 +16,7 @@ import torch
 from server.engine.scheduler import Row
 from server.kv import kernels
 from server.kv.attention import STEP_KWARG, DecodeRows, SeqSpan, StepMeta, install
-from server.kv.pool import KVLayout, KVPool
+from server.kv.pool import KVLayout, KVPool, weights_digest
 from server.models.loader import LoadedModel
 
 # Decode rows with at most this many keys go to the paged kernel, all in one call; longer ones to SDPA, one call
@@ -41,7 +41,7 @@ class ModelRunner:
         self.layout = KVLayout.of(loaded.model.config, loaded.dtype)
         num_blocks = max(1, budget_bytes // (self.layout.bytes_per_token * block_size))
         self.pool = KVPool(self.layout, num_blocks, block_size, loaded.device)
-        self.fingerprint = self.layout.fingerprint(loaded.model)
+        self.fingerprint = self.layout.fingerprint(loaded.weights_digest or weights_digest(loaded.model))
         self.counter = ForwardCounter()
         # Decode rows go to the paged kernel in one call per layer (CPU); otherwise each is an SDPA call.
         self.uses_kernel = loaded.device.type == "cpu" and kernels.paged_decode_available()

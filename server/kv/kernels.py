@@ -5,15 +5,18 @@ folder (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); `kvserve prepa
 `make install`) builds them ahead. The build is tuned for this CPU (-march=native), so the
 build's name carries a digest of the source, the torch version and the CPU's flags: another
 CPU builds its own. Where there is no compiler or the build fails, the engine logs why and
-runs the portable attention path instead (same answers, one SDPA call per sequence).
+runs the portable attention path instead (one SDPA call per sequence; equal up to rounding).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import platform
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -53,15 +56,35 @@ def _load() -> bool:
         return True  # registered already (another loader in this process)
     from torch.utils import cpp_extension
 
+    name = build_name()
     try:
-        cpp_extension.load(
-            name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False, verbose=False
-        )
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _build_lock(build_dir):
+            cpp_extension.load(
+                name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False, verbose=False
+            )
     except Exception as exc:  # no compiler, no headers, a failed build: the portable path still answers
         _state["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning("paged decode kernel unavailable (%s); attention runs one SDPA call per sequence", _state["reason"])
         return False
     return True
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """One builder per machine at a time, by a lock the kernel drops if its holder dies.
+
+    torch's own build lock is a file that a killed build leaves behind, and every later start would
+    wait on it forever. Under this lock no build is running, so such a file is stale: it goes.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "kvserve.lock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)  # torch's FileBaton, left by a killed build
+            yield
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
 
 
 def _cpu_flags() -> str:

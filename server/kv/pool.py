@@ -35,18 +35,22 @@ class KVLayout:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
-    def fingerprint(self, model: torch.nn.Module | None = None) -> str:
-        """The layout, and a digest of a sample of the weights: new weights under an old id reuse nothing."""
+    def fingerprint(self, weights: str | None = None) -> str:
+        """The layout, and a digest of the weights (`weights_digest`): new weights under an old id reuse nothing."""
         dtype = str(self.dtype).removeprefix("torch.")
         text = f"layers={self.num_layers},kv_heads={self.num_kv_heads},head_dim={self.head_dim},dtype={dtype}"
-        if model is None:
-            return text
-        digest = hashlib.sha256()
-        params = list(model.parameters())
-        for param in (params[0], params[len(params) // 2], params[-1]):
-            sample = param.detach().reshape(-1)[:4096].to("cpu", torch.float32).contiguous()
-            digest.update(sample.view(torch.uint8).numpy().data)
-        return f"{text},weights={digest.hexdigest()[:16]}"
+        return text if weights is None else f"{text},weights={weights}"
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of a sample of a model's parameters: the first, the middle and the last, as loaded (the loader
+    takes it before bf16 linears are packed, which turns their weights into buffers)."""
+    digest = hashlib.sha256()
+    params = list(model.parameters())
+    for param in (params[0], params[len(params) // 2], params[-1]):
+        sample = param.detach().reshape(-1)[:4096].to("cpu", torch.float32).contiguous()
+        digest.update(sample.view(torch.uint8).numpy().data)
+    return digest.hexdigest()[:16]
 
 
 class KVPool:

@@ -10,12 +10,15 @@ shown in GET /v1/models/{id}.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import platform
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,10 +109,11 @@ def _read_memo(memo: Path | None, key: str) -> DtypeChoice | None:
     if memo is None:
         return None
     try:
-        entry = json.loads(memo.read_text()).get(key)
-    except (OSError, ValueError):
+        with _memo_lock(memo):
+            entry = _load_memo(memo).get(key)
+    except OSError:
         return None
-    if not entry or entry.get("dtype") not in DTYPES:
+    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
         return None
     return DtypeChoice(DTYPES[entry["dtype"]], f"{entry['reason']} (measured on this machine earlier: {memo})")
 
@@ -118,14 +122,34 @@ def _write_memo(memo: Path | None, key: str, choice: DtypeChoice) -> None:
     if memo is None:
         return
     try:
-        known = json.loads(memo.read_text()) if memo.exists() else {}
-        known[key] = {"dtype": choice.name, "reason": choice.reason}
         memo.parent.mkdir(parents=True, exist_ok=True)
-        partial = memo.with_suffix(".partial")
-        partial.write_text(json.dumps(known, indent=1))
-        partial.replace(memo)
-    except (OSError, ValueError) as exc:  # a read-only cache: measure again next start
+        with _memo_lock(memo):  # two processes starting at once: each adds its entry, none is lost
+            known = _load_memo(memo)
+            known[key] = {"dtype": choice.name, "reason": choice.reason}
+            fd, partial = tempfile.mkstemp(dir=memo.parent, prefix=memo.name, suffix=".partial")
+            with os.fdopen(fd, "w") as f:
+                json.dump(known, f, indent=1)
+            os.replace(partial, memo)
+    except OSError as exc:  # a read-only cache: measure again next start
         log.warning("could not keep the dtype measurement in %s: %s", memo, exc)
+
+
+def _load_memo(memo: Path) -> dict[str, Any]:
+    try:
+        known = json.loads(memo.read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+@contextlib.contextmanager
+def _memo_lock(memo: Path) -> Iterator[None]:
+    with open(memo.with_name(memo.name + ".lock"), "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
 
 
 def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:

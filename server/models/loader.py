@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from server.kv.attention import unsupported_reason
+from server.kv.pool import weights_digest
 from server.models.convert import convert_gguf, gguf_cache_dir
 from server.models.dtype import DtypeChoice, choose_dtype
 from server.models.packed_linear import can_pack, pack_linears
@@ -56,6 +57,7 @@ class LoadedModel:
     eos_ids: frozenset[int]
     max_token_bytes: int = 64  # no token stands for more UTF-8 bytes of text: bytes / this <= tokens
     dtype_reason: str = "configured"  # why this dtype (GET /v1/models/{id} shows it)
+    weights_digest: str = ""  # of the weights as loaded, before any packing (the K/V fingerprint's; "": from model)
 
 
 def read_specs(models_file: Path) -> list[ModelSpec]:
@@ -146,6 +148,7 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
     if reason is not None:
         raise ModelLoadError(f"model {spec.id!r} cannot be served: {reason}")
     vocab_size = model.get_output_embeddings().weight.shape[0]
+    digest = weights_digest(model)
     if can_pack(model, device, dtype):
         log.info("model %s: %d linear layers packed for oneDNN (bf16 on the CPU)", spec.id, pack_linears(model))
     if spec.chat_template:
@@ -163,6 +166,7 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
         eos_ids=_eos_ids(model, tokenizer),
         max_token_bytes=_max_token_bytes(tokenizer),
         dtype_reason=choice.reason,
+        weights_digest=digest,
     )
 
 

@@ -44,7 +44,7 @@ def pack_linears(model: nn.Module) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
+        if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16  # not a layer the model keeps in fp32
     ]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from server.engine import loop as loop_module
 from server.engine.sampler import Sampler
 from server.engine.sequence import Sequence
 from server.sessions.record import SessionKey
@@ -148,6 +149,19 @@ async def test_prefill_projects_only_the_last_position(engine, tiny):
     finally:
         hook.remove()
     assert [shape[1] for shape in seen] == [1, 1]  # prefill and one decode step: one position each
+
+
+async def test_greedy_rows_are_sampled_one_by_one_when_the_batched_argmax_fails(engine, tiny, monkeypatch):
+    def broken(logits, rows):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(loop_module, "batch_greedy", broken)
+    prompts = [ids(tiny, "Hello world"), ids(tiny, "The quick brown fox")]
+    got = await asyncio.gather(
+        *(run(engine, p, rid=f"g{i}", max_tokens=4, ignore_eos=True) for i, p in enumerate(prompts))
+    )
+    for prompt, result in zip(prompts, got, strict=True):
+        assert result.token_ids == reference_greedy(tiny.model, prompt, 4)
 
 
 async def test_a_failing_request_fails_alone(engine, tiny, monkeypatch):

@@ -2,36 +2,43 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from server.kv import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.paged_decode_available(), reason="no C++ compiler: the SDPA path serves")
-KV_HEADS, HEADS, DIM, BLOCK, NUM_BLOCKS = 2, 6, 16, 4, 40
+ROOT = Path(__file__).resolve().parents[2]
+KV_HEADS, HEADS, BLOCK, NUM_BLOCKS = 2, 6, 4, 40
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def reference(q, k_pool, v_pool, table, ctx, window, softcap):
+    dim = q.shape[-1]
     """q [H, D] of the token at position ctx - 1; the keys it may see, gathered and attended to in float64."""
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)])
     lo = max(0, ctx - window) if window else 0
     k = k_pool[:, slots[lo:]].double().repeat_interleave(HEADS // KV_HEADS, 0)
     v = v_pool[:, slots[lo:]].double().repeat_interleave(HEADS // KV_HEADS, 0)
-    scores = (q.double()[:, None, :] @ k.transpose(1, 2))[:, 0] * DIM**-0.5
+    scores = (q.double()[:, None, :] @ k.transpose(1, 2))[:, 0] * dim**-0.5
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     return (torch.softmax(scores, -1)[:, None, :] @ v)[:, 0]
 
 
+@pytest.mark.parametrize("dim", [16, 64])  # 64: the AVX512-BF16 path's dot products (a multiple of 32)
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 30.0)])
-def test_decode_rows_attend_to_their_own_blocks(dtype, window, softcap):
+def test_decode_rows_attend_to_their_own_blocks(dtype, window, softcap, dim):
     gen = torch.Generator().manual_seed(0)
-    k_pool = torch.randn(KV_HEADS, NUM_BLOCKS * BLOCK, DIM, generator=gen).to(dtype)
-    v_pool = torch.randn(KV_HEADS, NUM_BLOCKS * BLOCK, DIM, generator=gen).to(dtype)
-    query = torch.randn(1, HEADS, 5, DIM, generator=gen).to(dtype)  # transformers' [1, H, T, D]
-    out = torch.zeros(5, HEADS, DIM, dtype=dtype)
+    k_pool = torch.randn(KV_HEADS, NUM_BLOCKS * BLOCK, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(KV_HEADS, NUM_BLOCKS * BLOCK, dim, generator=gen).to(dtype)
+    query = torch.randn(1, HEADS, 5, dim, generator=gen).to(dtype)  # transformers' [1, H, T, D]
+    out = torch.zeros(5, HEADS, dim, dtype=dtype)
     order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()  # scattered blocks, as after evictions
     tables = [order[0:10], order[10:20], order[20:30]]
     rows, lens = [0, 2, 4], [1, 17, 33]  # rows 1 and 3 belong to a prefill span: the kernel leaves them alone
@@ -45,7 +52,7 @@ def test_decode_rows_attend_to_their_own_blocks(dtype, window, softcap):
         torch.tensor(lens, dtype=torch.int32),
         BLOCK,
         window,
-        DIM**-0.5,
+        dim**-0.5,
         softcap,
     )
     for row, table, ctx in zip(rows, tables, lens, strict=True):
@@ -62,3 +69,43 @@ def test_the_build_is_named_by_source_torch_and_cpu(monkeypatch, tmp_path):
     changed.write_text(kernels.SOURCE.read_text() + "\n// changed\n")
     monkeypatch.setattr(kernels, "SOURCE", changed)
     assert kernels.build_name() != name
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_a_start():
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(kernels.build_name(), verbose=False))
+    (build_dir / "lock").touch()  # what a build killed half-way leaves: torch's loader would wait on it forever
+    code = "from server.kv import kernels; import sys; sys.exit(0 if kernels.paged_decode_available() else 1)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (build_dir / "lock").exists()
+
+
+def test_indices_outside_the_pool_are_refused_not_followed():
+    pool = torch.zeros(KV_HEADS, NUM_BLOCKS * BLOCK, 16)
+    query, out = torch.zeros(1, HEADS, 2, 16), torch.zeros(2, HEADS, 16)
+
+    def call(rows, tables, lens):
+        torch.ops.kvserve.paged_decode(
+            query[0].transpose(0, 1),
+            pool,
+            pool,
+            out,
+            torch.tensor(rows, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32),
+            BLOCK,
+            0,
+            0.25,
+            0.0,
+        )
+
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        call([0], [[NUM_BLOCKS]], [1])
+    with pytest.raises(RuntimeError, match="does not fit its table"):
+        call([0], [[0]], [BLOCK + 1])
+    with pytest.raises(RuntimeError, match="out of range"):
+        call([2], [[0]], [1])
+    with pytest.raises(RuntimeError, match="does not fit"):
+        call([0], [[0]], [0])

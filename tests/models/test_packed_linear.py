@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from server.kv.pool import weights_digest
+from server.models.loader import load_model
 from server.models.packed_linear import PackedLinear, can_pack, pack_linears
+from tests.helpers import make_engine, reference_greedy, run
 from tests.tiny import build_model
 
 pytestmark = pytest.mark.skipif(
@@ -34,3 +41,24 @@ def test_only_bf16_on_the_cpu_is_packed():
     model = build_model(vocab_size=300, eos_id=1)
     assert not can_pack(model, torch.device("cpu"), torch.float32)
     assert not can_pack(model, torch.device("cuda"), torch.bfloat16)
+
+
+def test_the_weights_fingerprint_is_taken_before_packing(tiny_spec):
+    loaded = load_model(dataclasses.replace(tiny_spec, dtype="bfloat16"), Path("unused"))
+    assert isinstance(loaded.model.lm_head, PackedLinear)  # its weight is a packed buffer now, not a parameter
+    plain = AutoModelForCausalLM.from_pretrained(tiny_spec.source, dtype=torch.bfloat16)
+    assert loaded.weights_digest == weights_digest(plain)  # so a fine-tune of any linear still changes it
+
+
+async def test_a_bf16_engine_with_packed_weights_and_the_kernel_answers_as_generate(tiny_spec):
+    loaded = load_model(dataclasses.replace(tiny_spec, dtype="bfloat16"), Path("unused"))
+    engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4)
+    prompts = [loaded.tokenizer(text)["input_ids"] for text in ("The quick brown fox", "Paris is the capital")]
+    try:
+        got = await asyncio.gather(
+            *(run(engine, p, rid=f"r{i}", max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts))
+        )
+    finally:
+        engine.stop()
+    for prompt, result in zip(prompts, got, strict=True):  # transformers' own attention over the same weights
+        assert result.token_ids == reference_greedy(loaded.model, prompt, 8)

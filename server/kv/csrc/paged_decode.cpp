@@ -215,6 +215,24 @@ void paged_decode(const at::Tensor& query, const at::Tensor& k_pool, const at::T
               "paged_decode: rows, block tables and context lengths are int32");
   TORCH_CHECK(rows.is_contiguous() && block_tables.is_contiguous() && context_lens.is_contiguous(),
               "paged_decode: metadata must be contiguous");
+  const int64_t num_rows = rows.size(0), width = block_tables.size(1);
+  TORCH_CHECK(query.size(2) == k_pool.size(2) && v_pool.sizes() == k_pool.sizes() && out.sizes() == query.sizes(),
+              "paged_decode: head sizes and shapes must agree");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_rows && context_lens.size(0) == num_rows,
+              "paged_decode: one block table and one context length per row");
+  const int64_t num_blocks = k_pool.size(1) / block_size;
+  const int32_t* row_ids = rows.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < num_rows; ++b) {  // every index the kernel will follow, checked before it runs
+    TORCH_CHECK(row_ids[b] >= 0 && row_ids[b] < query.size(0), "paged_decode: row ", row_ids[b], " out of range");
+    const int64_t ctx = lens[b];
+    TORCH_CHECK(ctx >= 1 && ctx <= width * block_size, "paged_decode: context ", ctx, " does not fit its table");
+    for (int64_t blk = 0; blk * block_size < ctx; ++blk) {
+      const int32_t id = tables[b * width + blk];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode: block ", id, " is not in the pool");
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
     decode_rows<scalar_t>(query, k_pool, v_pool, out, rows, block_tables, context_lens, block_size, window, scale,
                           softcap);
