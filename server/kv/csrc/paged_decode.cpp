@@ -110,6 +110,33 @@ constexpr bool kHasBf16Dot = false;
 inline void dot_keys_bf16(const c10::BFloat16*, const c10::BFloat16*, float*, int64_t, int64_t, float) {}
 #endif
 
+// acc = acc * correction + sum_j p[j] * values[j], sixteen lanes of acc at a time: each lane's running sum stays
+// in a register across the block's keys instead of going through memory once per key.
+template <typename acc_t>
+inline void accumulate_values(acc_t* acc, acc_t correction, const acc_t* p, const acc_t* values, int64_t n,
+                              int64_t dim) {
+  constexpr int64_t kLanes = 16;
+  int64_t d0 = 0;
+  for (; d0 + kLanes <= dim; d0 += kLanes) {
+    acc_t lane[kLanes];
+#pragma omp simd
+    for (int64_t t = 0; t < kLanes; ++t) lane[t] = acc[d0 + t] * correction;
+    for (int64_t j = 0; j < n; ++j) {
+      const acc_t pj = p[j];
+      const acc_t* row = values + j * dim + d0;
+#pragma omp simd
+      for (int64_t t = 0; t < kLanes; ++t) lane[t] += pj * row[t];
+    }
+#pragma omp simd
+    for (int64_t t = 0; t < kLanes; ++t) acc[d0 + t] = lane[t];
+  }
+  for (; d0 < dim; ++d0) {  // a head size that is not a multiple of 16
+    acc_t sum = acc[d0] * correction;
+    for (int64_t j = 0; j < n; ++j) sum += p[j] * values[j * dim + d0];
+    acc[d0] = sum;
+  }
+}
+
 template <typename scalar_t>
 void decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
                  const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -182,14 +209,7 @@ void decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const at::Te
           run_sum[g] = run_sum[g] * correction + block_sum;
           run_max[g] = new_max;
           acc_t* ag = acc.data() + g * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
-          for (int64_t j = 0; j < n; ++j) {
-            const acc_t p = sg[j];
-            const acc_t* value = values.data() + j * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ag[d] += p * value[d];
-          }
+          accumulate_values(ag, correction, sg, values.data(), n, dim);
         }
       }
       for (int64_t g = 0; g < groups; ++g) {
