@@ -17,6 +17,15 @@ KV_HEADS, HEADS, BLOCK, NUM_BLOCKS = 2, 6, 4, 40
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
+def paged_decode(query, k_pool, v_pool, out, rows, tables, lens, window=0, softcap=0.0):
+    """The op as attention.py calls it: query in transformers' [1, H, T, D], metadata as int32 lists here."""
+    as_int32 = [torch.tensor(x, dtype=torch.int32) for x in (rows, tables, lens)]
+    scale = query.shape[-1] ** -0.5
+    torch.ops.kvserve.paged_decode(
+        query[0].transpose(0, 1), k_pool, v_pool, out, *as_int32, BLOCK, window, scale, softcap
+    )
+
+
 def reference(q, k_pool, v_pool, table, ctx, window, softcap):
     dim = q.shape[-1]
     """q [H, D] of the token at position ctx - 1; the keys it may see, gathered and attended to in float64."""
@@ -42,19 +51,7 @@ def test_decode_rows_attend_to_their_own_blocks(dtype, window, softcap, dim):
     order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()  # scattered blocks, as after evictions
     tables = [order[0:10], order[10:20], order[20:30]]
     rows, lens = [0, 2, 4], [1, 17, 33]  # rows 1 and 3 belong to a prefill span: the kernel leaves them alone
-    torch.ops.kvserve.paged_decode(
-        query[0].transpose(0, 1),
-        k_pool,
-        v_pool,
-        out,
-        torch.tensor(rows, dtype=torch.int32),
-        torch.tensor(tables, dtype=torch.int32),
-        torch.tensor(lens, dtype=torch.int32),
-        BLOCK,
-        window,
-        dim**-0.5,
-        softcap,
-    )
+    paged_decode(query, k_pool, v_pool, out, rows, tables, lens, window=window, softcap=softcap)
     for row, table, ctx in zip(rows, tables, lens, strict=True):
         expected = reference(query[0, :, row], k_pool, v_pool, table, ctx, window, softcap)
         assert (out[row].double() - expected).abs().max().item() < TOLERANCE[dtype]
@@ -87,19 +84,7 @@ def test_indices_outside_the_pool_are_refused_not_followed():
     query, out = torch.zeros(1, HEADS, 2, 16), torch.zeros(2, HEADS, 16)
 
     def call(rows, tables, lens):
-        torch.ops.kvserve.paged_decode(
-            query[0].transpose(0, 1),
-            pool,
-            pool,
-            out,
-            torch.tensor(rows, dtype=torch.int32),
-            torch.tensor(tables, dtype=torch.int32),
-            torch.tensor(lens, dtype=torch.int32),
-            BLOCK,
-            0,
-            0.25,
-            0.0,
-        )
+        paged_decode(query, pool, pool, out, rows, tables, lens)
 
     with pytest.raises(RuntimeError, match="not in the pool"):
         call([0], [[NUM_BLOCKS]], [1])
