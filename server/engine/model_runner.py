@@ -43,7 +43,7 @@ class ModelRunner:
         self.pool = KVPool(self.layout, num_blocks, block_size, loaded.device)
         self.fingerprint = self.layout.fingerprint(loaded.weights_digest or weights_digest(loaded.model))
         self.counter = ForwardCounter()
-        # Decode rows go to the paged kernel in one call per layer (CPU); otherwise each is an SDPA call.
+        # Short decode rows go to the paged kernel in one call per layer (CPU); otherwise each is an SDPA call.
         self.uses_kernel = loaded.device.type == "cpu" and kernels.paged_decode_available()
         install(loaded.model)
 

@@ -3,10 +3,11 @@
 One engine step is one forward pass over a packed row of tokens from many sequences ([1, T]);
 the step's metadata rides along as a forward kwarg (`kvserve_step`), which transformers hands
 to every layer's attention function. There the new K/V are written to their slots and each
-sequence attends to its own slots: every single-token row of the step (the decode rows) in one
-call of the paged decode kernel (server/kv/csrc), which reads the pool through the block tables;
-each multi-token span (a prefill chunk) in one SDPA call, on a view of the pool when its blocks
-are consecutive. Without the kernel (no compiler, or CUDA) decode rows are spans too.
+sequence attends to its own slots: the decode rows the model runner hands the kernel (single-token
+rows with a short context) in one call of the paged decode kernel (server/kv/csrc), which reads the
+pool through the block tables; every other row or span (prefill chunks, long contexts) in one SDPA
+call each, on a view of the pool when its blocks are consecutive. Without the kernel (no compiler,
+or CUDA) all rows are spans.
 transformers also passes the layer's `sliding_window` (a key is visible when
 query_pos - key_pos < window) and `softcap` (Gemma-2's tanh capping of the scores): both are
 honoured on both paths. Called without the step kwarg (HF generate in tests) it is plain
