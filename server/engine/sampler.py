@@ -29,8 +29,9 @@ class Sampler:
             self.seen[torch.tensor(prompt_ids, device=device)] = True
         self.bias = _bias_tensor(params.logit_bias, vocab_size, device)
         # Greedy with nothing to adjust or report: the step takes its token from one argmax over the whole batch.
-        self.is_plain_greedy = params.is_greedy and not self.is_tracking and self.bias is None
-        self.is_plain_greedy &= params.num_logprobs is None
+        self.is_plain_greedy = (
+            params.is_greedy and not self.is_tracking and self.bias is None and params.num_logprobs is None
+        )
 
     def observe(self, token_id: int) -> None:
         if self.is_tracking:  # penalties need counts; skip the tensor writes otherwise

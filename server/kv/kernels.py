@@ -88,10 +88,15 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
 
 
 def _cpu_flags() -> str:
+    return cpuinfo_field("flags") or platform.processor()
+
+
+def cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The value of the first `name : value` line of /proc/cpuinfo (None off Linux or when absent)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith(name):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return None

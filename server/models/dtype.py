@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from server.kv.kernels import cpuinfo_field
 from server.models.packed_linear import PackedLinear
 
 log = logging.getLogger("kvserve.registry")
@@ -95,14 +96,8 @@ def _memo_key(config: Any, flags: list[str]) -> str:
     return f"{_cpu_model()}|{os.cpu_count()} cpus|{'+'.join(flags)}|torch {torch.__version__}|{shape}"
 
 
-def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _cpu_model() -> str:
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def _read_memo(memo: Path | None, key: str) -> DtypeChoice | None:
@@ -154,15 +149,8 @@ def _memo_lock(memo: Path) -> Iterator[None]:
 
 def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     """The bf16 instruction sets this CPU reports (Linux; elsewhere none, so float32)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            present = set(line.split(":", 1)[1].split())
-            return [flag for flag in BF16_FLAGS if flag in present]
-    return []
+    present = set((cpuinfo_field("flags", cpuinfo) or "").split())
+    return [flag for flag in BF16_FLAGS if flag in present]
 
 
 def turn_ms(config: Any, dtype: torch.dtype, repeats: int = 5) -> float:
