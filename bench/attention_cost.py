@@ -4,7 +4,11 @@ paged kernel for all of them, by context length and batch (in-process, best of r
 This is what sets `KERNEL_MAX_CONTEXT` in server/engine/model_runner.py: the kernel saves SDPA's per-call cost,
 SDPA's flash kernel streams a long context faster.
 
-    python bench/attention_cost.py [--contexts 128,256,384,512,1024,1500] [--batches 1,8]
+The second table is cascade attention for long decode rows that share a head (a cached system prompt, one run of
+blocks) and have scattered tails of their own: per-row SDPA on gathered slots (what such rows cost without
+heads), the kernel on each whole row, and the head in one flash call for all rows plus the kernel on the tails.
+
+    python bench/attention_cost.py [--contexts 128,256,384,512,1024,1500] [--batches 1,8] [--head 1504]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from server.kv import kernels
+from server.kv.attention import SharedHead, _attend_heads
 
 KV_HEADS, HEADS, DIM, BLOCK = 3, 9, 64, 16  # SmolLM2-135M
 
@@ -48,10 +53,59 @@ def compare(context: int, batch: int, dtype: torch.dtype) -> tuple[float, float]
 
     def kernel() -> None:
         torch.ops.kvserve.paged_decode(
-            query[0].transpose(0, 1), k_pool, v_pool, out, rows, tables.int(), lens, BLOCK, 0, DIM**-0.5, 0.0
+            query[0].transpose(0, 1),
+            k_pool,
+            v_pool,
+            out,
+            rows,
+            tables.int(),
+            lens,
+            *[torch.empty(0)] * 3,
+            BLOCK,
+            0,
+            DIM**-0.5,
+            0.0,
         )
 
     return best_us(per_sequence), best_us(kernel)
+
+
+def cascade(batch: int, head: int, tail: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    """Rows sharing `head` keys (one run of blocks) with `tail` keys each in scattered blocks: us per layer."""
+    num_blocks = 4096
+    k_pool = torch.randn(KV_HEADS, num_blocks * BLOCK, DIM, dtype=dtype)
+    v_pool = torch.randn(KV_HEADS, num_blocks * BLOCK, DIM, dtype=dtype)
+    query = torch.randn(1, HEADS, batch, DIM, dtype=dtype)
+    out = torch.empty(batch, HEADS, DIM, dtype=dtype)
+    shared = list(range(10, 10 + head // BLOCK))
+    own = -(-tail // BLOCK) + 1
+    scattered = (torch.randperm(num_blocks - 200, generator=torch.Generator().manual_seed(0)) + 200).tolist()
+    tables = [shared + scattered[i * own : (i + 1) * own] for i in range(batch)]
+    context = head + tail
+    slots = [torch.tensor([t[p // BLOCK] * BLOCK + p % BLOCK for p in range(context)]) for t in tables]
+    rows, lens = torch.arange(batch, dtype=torch.int32), torch.full((batch,), context, dtype=torch.int32)
+    table = torch.tensor(tables, dtype=torch.int32)
+    empty, scale = torch.empty(0), DIM**-0.5
+
+    def gathered_sdpa() -> None:
+        for i in range(batch):
+            k, v = k_pool.index_select(1, slots[i]), v_pool.index_select(1, slots[i])
+            o = F.scaled_dot_product_attention(query[:, :, i : i + 1], k[None], v[None], scale=scale, enable_gqa=True)
+            out[i : i + 1] = o[0].transpose(0, 1)
+
+    def kernel(first_keys: torch.Tensor, head_out: torch.Tensor, head_lse: torch.Tensor) -> None:
+        torch.ops.kvserve.paged_decode(
+            query[0].transpose(0, 1), k_pool, v_pool, out, rows, table, lens, first_keys, head_out, head_lse,
+            BLOCK, 0, scale, 0.0,
+        )  # fmt: skip
+
+    heads = [SharedHead(torch.arange(batch), head, shared[0] * BLOCK, None)]
+    first_keys = torch.full((batch,), head, dtype=torch.int32)
+
+    def with_head() -> None:
+        kernel(first_keys, *_attend_heads(query, k_pool, v_pool, heads, scale))
+
+    return best_us(gathered_sdpa), best_us(lambda: kernel(empty, empty, empty)), best_us(with_head)
 
 
 def main() -> None:
@@ -60,6 +114,8 @@ def main() -> None:
         "--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[128, 256, 384, 512, 1024, 1500]
     )
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    parser.add_argument("--head", type=int, default=1504, help="shared keys of the cascade table")
+    parser.add_argument("--tails", type=lambda s: [int(x) for x in s.split(",")], default=[96, 304])
     args = parser.parse_args()
     if not kernels.paged_decode_available():
         raise SystemExit(f"the paged kernel is not available: {kernels.unavailable_reason()}")
@@ -72,6 +128,14 @@ def main() -> None:
                 sdpa, kernel = compare(context, batch, dtype)
                 name = str(dtype).removeprefix("torch.")
                 print(f"{name:<9} {context:7d} {batch:5d} {sdpa:13.0f} {kernel:8.0f} {kernel / sdpa:12.2f}")
+    print(f"\ncascade: {args.head} shared keys (one run) + each row's own tail (scattered blocks)")
+    print(f"{'dtype':<9} {'tail':>5} {'batch':>5} {'SDPA gathered':>14} {'kernel whole':>13} {'head+kernel':>12}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for tail in args.tails:
+            for batch in sorted({1, 4, *args.batches}):
+                sdpa, whole, split = cascade(batch, args.head, tail, dtype)
+                name = str(dtype).removeprefix("torch.")
+                print(f"{name:<9} {tail:5d} {batch:5d} {sdpa:14.0f} {whole:13.0f} {split:12.0f}")
 
 
 if __name__ == "__main__":

@@ -15,14 +15,26 @@ import torch
 
 from server.engine.scheduler import Row
 from server.kv import kernels
-from server.kv.attention import STEP_KWARG, DecodeRows, SeqSpan, StepMeta, install
+from server.kv.attention import STEP_KWARG, DecodeRows, SeqSpan, SharedHead, StepMeta, attention_inputs, install
 from server.kv.pool import KVLayout, KVPool, weights_digest
 from server.models.loader import LoadedModel
 
-# Decode rows with at most this many keys go to the paged kernel, all in one call; longer ones to SDPA, one call
-# each. Measured on a 2-core Xeon (bench/attention_cost.py): the kernel saves SDPA's per-call cost, which is most
-# of a short row's time, but streams a long context slower than SDPA's flash kernel (they cross at 256-384 keys).
+# Decode rows with at most this many keys go to the paged kernel, all in one call. Measured on a 2-core Xeon
+# (bench/attention_cost.py): the kernel saves SDPA's per-call cost, which is most of a short row's time, but
+# streams a long context slower than SDPA's flash kernel on a view of the pool (they cross at 256-384 keys).
+# A longer row takes a head (cascade attention, `_heads`) when it can; else SDPA when its blocks are one run,
+# and the kernel when SDPA would first gather them (a gather costs more than the kernel's slower streaming).
 KERNEL_MAX_CONTEXT = 256
+
+
+@dataclass(slots=True)
+class DecodeRow:
+    """A single-token row bound for the kernel: where it sits, its blocks, its keys and its head (0: none)."""
+
+    at: int
+    table: list[int]
+    ctx_len: int
+    head: int = 0
 
 
 @dataclass(slots=True)
@@ -45,6 +57,9 @@ class ModelRunner:
         self.counter = ForwardCounter()
         # Short decode rows go to the paged kernel in one call per layer (CPU); otherwise each is an SDPA call.
         self.uses_kernel = loaded.device.type == "cpu" and kernels.paged_decode_available()
+        # Cascade attention (long decode rows: a batched head, the kernel for the rest) needs layers without a
+        # window or softcap; the kernel would take such rows whole, slower than SDPA.
+        self.uses_heads = self.uses_kernel and not {"sliding_window", "softcap"} & attention_inputs(loaded.model)
         install(loaded.model)
 
     def run(self, rows: list[Row]) -> torch.Tensor:
@@ -70,39 +85,92 @@ class ModelRunner:
         slots: list[int] = []
         spans: list[SeqSpan] = []
         sampled_at: list[int] = []
-        decode_rows: list[int] = []
-        tables: list[list[int]] = []
-        context_lens: list[int] = []
+        long_rows: list[DecodeRow] = []
+        kernel_rows: list[DecodeRow] = []
         for row in rows:
             start = row.seq.num_computed
             end = start + len(row.token_ids)
             table = [b.block_id for b in row.seq.blocks]
             slots += self.pool.slot_ids(table, start, end)
-            if self.uses_kernel and len(row.token_ids) == 1 and end <= KERNEL_MAX_CONTEXT:
-                decode_rows.append(len(ids))
-                tables.append(table)
-                context_lens.append(end)
+            if self.uses_kernel and len(row.token_ids) == 1:
+                (kernel_rows if end <= KERNEL_MAX_CONTEXT else long_rows).append(DecodeRow(len(ids), table, end))
             else:
                 spans.append(self._span(len(ids), len(row.token_ids), table, end))
             ids += row.token_ids
             positions += range(start, end)
             if row.is_sampled:
                 sampled_at.append(len(ids) - 1)
+        heads, with_heads = self._heads(long_rows) if self.uses_heads else ([], [])
+        for r in long_rows:  # the rest: SDPA on a view of one run of blocks, or the kernel rather than a gather
+            if r.head:
+                continue
+            span = self._span(r.at, 1, r.table, r.ctx_len)
+            if span.ctx_slots is None:
+                spans.append(span)
+            else:
+                kernel_rows.append(r)
         meta = StepMeta(self.pool, torch.tensor(slots, dtype=torch.long, device=device), spans)
-        if decode_rows:
-            meta.decode = self._decode_rows(decode_rows, tables, context_lens)
+        if with_heads or kernel_rows:
+            meta.decode = self._decode_rows(with_heads + kernel_rows, heads)
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)  # [1, T]
         return meta, input_ids, position_ids, torch.tensor(sampled_at, dtype=torch.long, device=device)
 
-    def _decode_rows(self, rows: list[int], tables: list[list[int]], context_lens: list[int]) -> DecodeRows:
-        width = max(len(table) for table in tables)
-        padded = [table + [0] * (width - len(table)) for table in tables]
+    def _heads(self, rows: list[DecodeRow]) -> tuple[list[SharedHead], list[DecodeRow]]:
+        """Cascade attention for long decode rows: the heads, and the rows that take one (in the heads' order).
+
+        Rows whose tables start alike share their common full blocks as one head (one call reads them for
+        all); a lone row's head is its leading run of consecutive blocks (a view, no gather), unless the run
+        holds its whole context (SDPA on the view is faster). A row takes its head when the kernel is left at
+        most max(KERNEL_MAX_CONTEXT, head) keys.
+        """
+        bs = self.pool.block_size
+        groups: dict[int, list[DecodeRow]] = {}
+        for row in rows:
+            groups.setdefault(row.table[0], []).append(row)
+        heads: list[SharedHead] = []
+        taken: list[DecodeRow] = []
+        for group in groups.values():
+            limit = min((r.ctx_len - 1) // bs for r in group)  # whole blocks before every row's own token
+            common = _common_prefix([r.table[:limit] for r in group])
+            parts = [group] if len(group) > 1 and common * bs > KERNEL_MAX_CONTEXT else [[r] for r in group]
+            for part in parts:
+                table = part[0].table
+                if len(part) > 1:
+                    length = common
+                elif _run_length(table) * bs >= part[0].ctx_len:
+                    continue  # one run of blocks: SDPA on a view of it is faster still
+                else:
+                    length = _run_length(table[: (part[0].ctx_len - 1) // bs])
+                keep = [r for r in part if r.ctx_len - length * bs <= max(KERNEL_MAX_CONTEXT, length * bs)]
+                if not keep or length == 0:
+                    continue
+                for r in keep:
+                    r.head = length * bs
+                at = self._long([r.at for r in keep])
+                heads.append(SharedHead(at, length * bs, table[0] * bs, self._head_slots(table[:length])))
+                taken += keep
+        return heads, taken
+
+    def _head_slots(self, blocks: list[int]) -> torch.Tensor | None:
+        """The head's slot ids when its blocks are not one run (a view serves when they are)."""
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+            return None
+        return self._long(self.pool.slot_ids(blocks, 0, len(blocks) * self.pool.block_size))
+
+    def _decode_rows(self, rows: list[DecodeRow], heads: list[SharedHead]) -> DecodeRows:
+        width = max(len(r.table) for r in rows)
+        padded = [r.table + [0] * (width - len(r.table)) for r in rows]
 
         def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=self.device)
 
-        return DecodeRows(int32(rows), int32(padded), int32(context_lens))
+        lens = int32([r.ctx_len for r in rows])
+        first_keys = int32([r.head for r in rows]) if heads else None
+        return DecodeRows(int32([r.at for r in rows]), int32(padded), lens, heads, first_keys)
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _span(self, q_start: int, q_len: int, table: list[int], ctx_len: int) -> SeqSpan:
         bs = self.pool.block_size
@@ -120,3 +188,21 @@ class ModelRunner:
             else:
                 self.counter.num_prefill_tokens += len(row.token_ids)
         self.counter.num_forwards += 1
+
+
+def _common_prefix(tables: list[list[int]]) -> int:
+    """How many leading blocks all these tables share."""
+    n = min(len(t) for t in tables)
+    first = tables[0]
+    for i in range(n):
+        if any(t[i] != first[i] for t in tables):
+            return i
+    return n
+
+
+def _run_length(table: list[int]) -> int:
+    """How many leading blocks of the table are consecutive block ids."""
+    n = 1 if table else 0
+    while n < len(table) and table[n] == table[0] + n:
+        n += 1
+    return n

@@ -3,11 +3,12 @@
 One engine step is one forward pass over a packed row of tokens from many sequences ([1, T]);
 the step's metadata rides along as a forward kwarg (`kvserve_step`), which transformers hands
 to every layer's attention function. There the new K/V are written to their slots and each
-sequence attends to its own slots: the decode rows the model runner hands the kernel (single-token
-rows with a short context) in one call of the paged decode kernel (server/kv/csrc), which reads the
-pool through the block tables; every other row or span (prefill chunks, long contexts) in one SDPA
-call each, on a view of the pool when its blocks are consecutive. Without the kernel (no compiler,
-or CUDA) all rows are spans.
+sequence attends to its own slots: the decode rows the model runner hands the kernel in one call of
+the paged decode kernel (server/kv/csrc), which reads the pool through the block tables; every other
+row or span (prefill chunks, long rows on one run of blocks) in one SDPA call each, on a view of the
+pool when its blocks are consecutive. Long decode rows may come with a head (cascade attention): keys
+they share with other rows, attended for all of them in one flash call whose output and log-sum-exp
+the kernel resumes from. Without the kernel (no compiler, or CUDA) all rows are spans.
 transformers also passes the layer's `sliding_window` (a key is visible when
 query_pos - key_pos < window) and `softcap` (Gemma-2's tanh capping of the scores): both are
 honoured on both paths. Called without the step kwarg (HF generate in tests) it is plain
@@ -70,12 +71,36 @@ class SeqSpan:
 
 
 @dataclass(slots=True, frozen=True)
+class SharedHead:
+    """The first `length` keys of some decode rows, the same slots for each: attended in one batched call.
+
+    Rows of one sequence group (forks, or conversations behind one cached system prompt) share their
+    prefix blocks; a lone row's head is the leading run of consecutive blocks, read as a view.
+    """
+
+    rows: torch.Tensor  # [n] long: the rows' index in the packed row
+    length: int  # keys 0 .. length - 1
+    first_slot: int  # when the head's slots are one run: the slot of key 0
+    slots: torch.Tensor | None  # [length] slot ids when they are not one run (gathered once per layer)
+
+    def kv(self, pool: torch.Tensor) -> torch.Tensor:
+        """[kvH, length, D]: a view of the pool, or a gather of it."""
+        if self.slots is None:
+            return pool[:, self.first_slot : self.first_slot + self.length]
+        return pool.index_select(1, self.slots)
+
+
+@dataclass(slots=True, frozen=True)
 class DecodeRows:
     """The step's single-token rows, for the paged decode kernel (int32, on the pool's device)."""
 
     rows: torch.Tensor  # [B] their index in the packed row
     block_tables: torch.Tensor  # [B, max blocks] each row's blocks in order (padded with 0)
     context_lens: torch.Tensor  # [B] keys each attends to, its own token last
+    # Cascade attention: the rows with a head come first, in the heads' order; first_keys[b] is the length of
+    # row b's head (0: none). Heads are used by layers without window or softcap; others take whole rows.
+    heads: list[SharedHead] = field(default_factory=list)
+    first_keys: torch.Tensor | None = None  # [B] int32
 
 
 @dataclass(slots=True)
@@ -126,6 +151,9 @@ def paged_attention(
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
     if step.decode is not None:
         d = step.decode
+        first_keys = head_out = head_lse = _EMPTY
+        if d.first_keys is not None and sliding_window is None and softcap is None:
+            first_keys, (head_out, head_lse) = d.first_keys, _attend_heads(query, k_pool, v_pool, d.heads, scale)
         torch.ops.kvserve.paged_decode(
             query[0].transpose(0, 1),  # [T, H, D], a view
             k_pool,
@@ -134,6 +162,9 @@ def paged_attention(
             d.rows,
             d.block_tables,
             d.context_lens,
+            first_keys,
+            head_out,
+            head_lse,
             step.pool.block_size,
             sliding_window or 0,
             scale,
@@ -151,6 +182,33 @@ def paged_attention(
         o = attend(q, k.unsqueeze(0), v.unsqueeze(0), span.mask(sliding_window), scale, softcap)
         out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+_EMPTY = torch.empty(0)
+
+
+def _attend_heads(
+    query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, heads: list[SharedHead], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's rows against its keys in one flash call: ([Bh, H, D] output, [Bh, H] log-sum-exp).
+
+    A kv head's G query heads of all n rows go in as one sequence of G * n queries (no mask: the head's
+    keys all precede every row's token), so the call reads each shared key once for every row.
+    """
+    num_heads, dim = query.shape[1], query.shape[3]
+    kv_heads = k_pool.shape[0]
+    outs, lses = [], []
+    for head in heads:
+        n = head.rows.numel()
+        q = query[0].index_select(1, head.rows).view(1, kv_heads, num_heads // kv_heads * n, dim)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, head.kv(k_pool)[None], head.kv(v_pool)[None], scale=scale
+        )
+        outs.append(o.view(num_heads, n, dim).transpose(0, 1))  # [n, H, D]
+        lses.append(lse.reshape(num_heads, n).transpose(0, 1))  # [n, H]
+    if len(heads) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses)
 
 
 def _dense(

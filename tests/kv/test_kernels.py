@@ -17,26 +17,49 @@ KV_HEADS, HEADS, BLOCK, NUM_BLOCKS = 2, 6, 4, 40
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def paged_decode(query, k_pool, v_pool, out, rows, tables, lens, window=0, softcap=0.0):
-    """The op as attention.py calls it: query in transformers' [1, H, T, D], metadata as int32 lists here."""
+def paged_decode(query, k_pool, v_pool, out, rows, tables, lens, window=0, softcap=0.0, heads=None):
+    """The op as attention.py calls it: query in transformers' [1, H, T, D], metadata as int32 lists here.
+
+    heads: (first_keys, head_out [Bh, H, D], head_lse [Bh, H]) for rows whose first keys are attended already.
+    """
     as_int32 = [torch.tensor(x, dtype=torch.int32) for x in (rows, tables, lens)]
+    empty = torch.empty(0)
+    first_keys, head_out, head_lse = (empty, empty, empty) if heads is None else heads
+    if heads is not None:
+        first_keys = torch.tensor(first_keys, dtype=torch.int32)
     scale = query.shape[-1] ** -0.5
     torch.ops.kvserve.paged_decode(
-        query[0].transpose(0, 1), k_pool, v_pool, out, *as_int32, BLOCK, window, scale, softcap
+        query[0].transpose(0, 1),
+        k_pool,
+        v_pool,
+        out,
+        *as_int32,
+        first_keys,
+        head_out,
+        head_lse,
+        BLOCK,
+        window,
+        scale,
+        softcap,
     )
 
 
-def reference(q, k_pool, v_pool, table, ctx, window, softcap):
+def reference(q, k_pool, v_pool, table, ctx, window, softcap, keys=None, lse=False):
+    """q [H, D] of the token at position ctx - 1; the keys it may see, gathered and attended to in float64.
+
+    keys: only these key positions (a head); lse: also return the log of the softmax sum per head.
+    """
     dim = q.shape[-1]
-    """q [H, D] of the token at position ctx - 1; the keys it may see, gathered and attended to in float64."""
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)])
     lo = max(0, ctx - window) if window else 0
-    k = k_pool[:, slots[lo:]].double().repeat_interleave(HEADS // KV_HEADS, 0)
-    v = v_pool[:, slots[lo:]].double().repeat_interleave(HEADS // KV_HEADS, 0)
+    picked = slots[lo:] if keys is None else slots[keys]
+    k = k_pool[:, picked].double().repeat_interleave(HEADS // KV_HEADS, 0)
+    v = v_pool[:, picked].double().repeat_interleave(HEADS // KV_HEADS, 0)
     scores = (q.double()[:, None, :] @ k.transpose(1, 2))[:, 0] * dim**-0.5
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    return (torch.softmax(scores, -1)[:, None, :] @ v)[:, 0]
+    out = (torch.softmax(scores, -1)[:, None, :] @ v)[:, 0]
+    return (out, scores.logsumexp(-1)) if lse else out
 
 
 @pytest.mark.parametrize("dim", [16, 64])  # 64: the AVX512-BF16 path's dot products (a multiple of 32)
@@ -57,6 +80,37 @@ def test_decode_rows_attend_to_their_own_blocks(dtype, window, softcap, dim):
         assert (out[row].double() - expected).abs().max().item() < TOLERANCE[dtype]
     assert out[1].abs().sum() == 0
     assert out[3].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_a_row_resumes_from_the_head_it_is_given(dtype):
+    """Cascade attention: keys 0 .. first - 1 come as an output and its log-sum-exp; the result is the whole row's."""
+    gen = torch.Generator().manual_seed(1)
+    dim = 64
+    k_pool = torch.randn(KV_HEADS, NUM_BLOCKS * BLOCK, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(KV_HEADS, NUM_BLOCKS * BLOCK, dim, generator=gen).to(dtype)
+    query = torch.randn(1, HEADS, 4, dim, generator=gen).to(dtype)
+    out = torch.zeros(4, HEADS, dim, dtype=dtype)
+    order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = [order[0:12], order[0:8] + order[12:16], order[20:32]]  # rows 0 and 1 share eight blocks
+    rows, lens, first = [3, 1, 0], [45, 40, 21], [32, 32, 0]  # the third row has no head
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    head_out = torch.empty(2, HEADS, dim, dtype=dtype)
+    head_lse = torch.empty(2, HEADS, dtype=lse_dtype)
+    for b in range(2):
+        o, lse = reference(query[0, :, rows[b]], k_pool, v_pool, tables[b], lens[b], 0, 0.0, range(first[b]), True)
+        head_out[b], head_lse[b] = o.to(dtype), lse.to(lse_dtype)
+    paged_decode(query, k_pool, v_pool, out, rows, tables, lens, heads=(first, head_out, head_lse))
+    for row, table, ctx in zip(rows, tables, lens, strict=True):
+        expected = reference(query[0, :, row], k_pool, v_pool, table, ctx, 0, 0.0)
+        assert (out[row].double() - expected).abs().max().item() < TOLERANCE[dtype]
+    assert out[2].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="without window and softcap"):
+        paged_decode(query, k_pool, v_pool, out, rows, tables, lens, window=8, heads=(first, head_out, head_lse))
+    with pytest.raises(RuntimeError, match="own key"):
+        paged_decode(query, k_pool, v_pool, out, rows, tables, lens, heads=([45, 32, 0], head_out, head_lse))
+    with pytest.raises(RuntimeError, match="no head output"):
+        paged_decode(query, k_pool, v_pool, out, rows, tables, lens, heads=([*first[:2], 4], head_out, head_lse))
 
 
 def test_the_build_is_named_by_source_torch_and_cpu(monkeypatch, tmp_path):

@@ -13,6 +13,17 @@
 //   block_tables [B, M] int32    each decode row's blocks, in order
 //   context_lens [B] int32       keys each decode row attends to (its own token is the last)
 //   window > 0: a key is visible when (ctx - 1) - key_pos < window; softcap > 0: tanh(s / cap) * cap.
+//
+// A row may come with its head already attended (cascade attention: keys a group of rows share, done by the
+// caller in one batched call): first_keys[b] > 0 says keys 0 .. first_keys[b] - 1 are done, head_out[b] holds
+// their attention output and head_lse[b] the log of their softmax sum per query head. The row's online softmax
+// then starts from that state (max = lse, sum = 1, acc = head_out) and walks only keys first_keys[b] .. ctx - 1,
+// which gives the attention over the whole context. Rows with a head come first (b < head_out.size(0)); heads
+// are taken only without window or softcap. first_keys, head_out and head_lse are empty when no row has one.
+//
+//   first_keys   [B] int32                 or empty
+//   head_out     [Bh, H, D] query's dtype  (D contiguous) or empty
+//   head_lse     [Bh, H] opmath dtype      (float; double for fp64) or empty
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -140,6 +151,7 @@ inline void accumulate_values(acc_t* acc, acc_t correction, const acc_t* p, cons
 template <typename scalar_t>
 void decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
                  const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                 const at::Tensor& first_keys, const at::Tensor& head_out, const at::Tensor& head_lse,
                  int64_t block_size, int64_t window, double scale, double softcap) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t num_rows = rows.size(0), num_heads = query.size(1), dim = query.size(2);
@@ -154,6 +166,11 @@ void decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const at::Te
   const int32_t* row_ids = rows.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* starts = first_keys.numel() > 0 ? first_keys.data_ptr<int32_t>() : nullptr;
+  const scalar_t* h_out = head_out.numel() > 0 ? head_out.data_ptr<scalar_t>() : nullptr;
+  const acc_t* h_lse = head_lse.numel() > 0 ? head_lse.data_ptr<acc_t>() : nullptr;
+  const int64_t ho_row = head_out.numel() > 0 ? head_out.stride(0) : 0, ho_head = head_out.numel() > 0 ? head_out.stride(1) : 0;
+  const int64_t hl_row = head_lse.numel() > 0 ? head_lse.stride(0) : 0, hl_head = head_lse.numel() > 0 ? head_lse.stride(1) : 0;
   const acc_t cap = static_cast<acc_t>(softcap);
   const acc_t lowest = std::numeric_limits<acc_t>::lowest();  // not -inf: built with -ffast-math
   const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && kHasBf16Dot && dim % 32 == 0;
@@ -164,14 +181,24 @@ void decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const at::Te
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t row = row_ids[b], ctx = lens[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t start = starts != nullptr ? starts[b] : 0;
+      const int64_t lo = std::max<int64_t>(start, window > 0 ? ctx - window : 0);
       for (int64_t g = 0; g < groups; ++g) {
         load(q.data() + g * dim, q_ptr + row * q_row + (kv_head * groups + g) * q_head, dim);
         for (int64_t d = 0; d < dim; ++d) q[g * dim + d] *= static_cast<acc_t>(scale);
       }
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      std::fill(run_max.begin(), run_max.end(), lowest);
-      std::fill(run_sum.begin(), run_sum.end(), acc_t(0));
+      if (start > 0) {  // the head's softmax state: its output is acc / sum with sum = 1 at max = its lse
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t h = kv_head * groups + g;
+          load(acc.data() + g * dim, h_out + b * ho_row + h * ho_head, dim);
+          run_max[g] = h_lse[b * hl_row + h * hl_head];
+          run_sum[g] = acc_t(1);
+        }
+      } else {
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        std::fill(run_max.begin(), run_max.end(), lowest);
+        std::fill(run_sum.begin(), run_sum.end(), acc_t(0));
+      }
       const scalar_t* k_head = k_ptr + kv_head * pool_slots * dim;
       const scalar_t* v_head = v_ptr + kv_head * pool_slots * dim;
       for (int64_t blk = lo / block_size; blk * block_size < ctx; ++blk) {
@@ -223,6 +250,7 @@ void decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const at::Te
 
 void paged_decode(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
                   const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                  const at::Tensor& first_keys, const at::Tensor& head_out, const at::Tensor& head_lse,
                   int64_t block_size, int64_t window, double scale, double softcap) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && k_pool.dim() == 3, "paged_decode: query/out [T,H,D], pool [kvH,S,D]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "paged_decode: the head dimension must be contiguous");
@@ -244,18 +272,36 @@ void paged_decode(const at::Tensor& query, const at::Tensor& k_pool, const at::T
   const int32_t* row_ids = rows.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const bool has_heads = first_keys.numel() > 0;
+  const int64_t num_heads_given = has_heads ? head_out.size(0) : 0;
+  if (has_heads) {
+    TORCH_CHECK(first_keys.scalar_type() == at::kInt && first_keys.is_contiguous() && first_keys.size(0) == num_rows,
+                "paged_decode: first_keys is int32, one per row");
+    TORCH_CHECK(window == 0 && softcap == 0, "paged_decode: heads are taken only without window and softcap");
+    TORCH_CHECK(head_out.dim() == 3 && head_out.size(1) == query.size(1) && head_out.size(2) == query.size(2) &&
+                    head_out.stride(2) == 1 && head_out.scalar_type() == query.scalar_type(),
+                "paged_decode: head_out is [Bh, H, D] in the query's dtype, D contiguous");
+    TORCH_CHECK(head_lse.dim() == 2 && head_lse.size(0) == num_heads_given && head_lse.size(1) == query.size(1) &&
+                    head_lse.scalar_type() == at::toOpMathType(query.scalar_type()),
+                "paged_decode: head_lse is [Bh, H] in the opmath dtype");
+  }
+  const int32_t* starts = has_heads ? first_keys.data_ptr<int32_t>() : nullptr;
   for (int64_t b = 0; b < num_rows; ++b) {  // every index the kernel will follow, checked before it runs
     TORCH_CHECK(row_ids[b] >= 0 && row_ids[b] < query.size(0), "paged_decode: row ", row_ids[b], " out of range");
     const int64_t ctx = lens[b];
     TORCH_CHECK(ctx >= 1 && ctx <= width * block_size, "paged_decode: context ", ctx, " does not fit its table");
+    if (starts != nullptr) {
+      TORCH_CHECK(starts[b] >= 0 && starts[b] < ctx, "paged_decode: a head must leave the row's own key");
+      TORCH_CHECK(starts[b] == 0 || b < num_heads_given, "paged_decode: row ", b, " has a head but no head output");
+    }
     for (int64_t blk = 0; blk * block_size < ctx; ++blk) {
       const int32_t id = tables[b * width + blk];
       TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode: block ", id, " is not in the pool");
     }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    decode_rows<scalar_t>(query, k_pool, v_pool, out, rows, block_tables, context_lens, block_size, window, scale,
-                          softcap);
+    decode_rows<scalar_t>(query, k_pool, v_pool, out, rows, block_tables, context_lens, first_keys, head_out,
+                          head_lse, block_size, window, scale, softcap);
   });
 }
 
@@ -264,7 +310,8 @@ void paged_decode(const at::Tensor& query, const at::Tensor& k_pool, const at::T
 TORCH_LIBRARY(kvserve, m) {
   m.def(
       "paged_decode(Tensor query, Tensor k_pool, Tensor v_pool, Tensor(a!) out, Tensor rows, Tensor block_tables, "
-      "Tensor context_lens, int block_size, int window, float scale, float softcap) -> ()");
+      "Tensor context_lens, Tensor first_keys, Tensor head_out, Tensor head_lse, int block_size, int window, "
+      "float scale, float softcap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
