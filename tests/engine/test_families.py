@@ -20,6 +20,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from server.engine import model_runner
 from server.kv import kernels
 from server.kv.attention import unsupported_reason
 from server.models.loader import ModelLoadError, ModelSpec, load_model
@@ -68,7 +69,7 @@ def hf_reference(directory):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("path", ["kernel", "sdpa"])
+@pytest.mark.parametrize("path", ["kernel", "cascade", "sdpa"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 async def test_paged_engine_matches_generate(family, path, tokenizer, tmp_path, monkeypatch):
     spec = save_family(family, tokenizer, tmp_path)
@@ -76,8 +77,11 @@ async def test_paged_engine_matches_generate(family, path, tokenizer, tmp_path, 
     reference = hf_reference(tmp_path)
     if path == "sdpa":  # the portable path: a machine without a compiler
         monkeypatch.setattr(kernels, "paged_decode_available", lambda: False)
+    if path == "cascade":  # every decode row counts as long: heads where the layers allow, else whole rows
+        monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 4)
     engine = make_engine(loaded, budget_bytes=1 << 22, block_size=4)
-    assert engine.runner.uses_kernel == (path == "kernel")
+    assert engine.runner.uses_kernel == (path != "sdpa")
+    assert engine.runner.uses_heads == (path != "sdpa" and family in ("gemma", "llama", "qwen3"))
     try:
         prompt = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
         assert len(prompt) > 2 * WINDOW
