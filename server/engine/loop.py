@@ -17,7 +17,7 @@ import torch
 from server.engine.inbox import WAKE, Inbox, Query, Submission
 from server.engine.model_runner import ModelRunner
 from server.engine.request import CANCELLED, SHUTTING_DOWN, SLOW_READER, Admitted, Failed, Finished
-from server.engine.sampler import batch_greedy
+from server.engine.sampler import batch_greedy, batch_sample
 from server.engine.scheduler import Admission, Row, Scheduler
 from server.engine.sequence import Sequence
 from server.kv import offload
@@ -199,11 +199,17 @@ class EngineLoop:
     def _postprocess(self, rows: list[Row], logits: torch.Tensor) -> None:
         sampled = [row.seq for row in rows if row.is_sampled]
         greedy = [index for index, seq in enumerate(sampled) if seq.sampler.is_plain_greedy]
+        drawn = [index for index, seq in enumerate(sampled) if seq.sampler.is_plain_sampled]
         chosen: dict[int, int] = {}
         try:
-            chosen = dict(zip(greedy, batch_greedy(logits, greedy), strict=True)) if greedy else {}
+            if greedy:
+                chosen.update(zip(greedy, batch_greedy(logits, greedy), strict=True))
+            if drawn:
+                tokens = batch_sample([sampled[i].sampler for i in drawn], logits[drawn])
+                chosen.update(zip(drawn, tokens, strict=True))
         except Exception:  # each row samples its own: a failure then fails that request alone
-            log.exception("batched greedy sampling failed; sampling row by row")
+            log.exception("batched sampling failed; sampling row by row")
+            chosen = {}
         for index, seq in enumerate(sampled):
             self._sample(seq, logits[index], chosen.get(index))
         for row in rows:
@@ -211,7 +217,7 @@ class EngineLoop:
                 self._finish(row.seq, Finished("length", row.seq.usage()), is_complete=True)
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, chosen: int | None) -> None:
-        """Accept the token already chosen for this sequence (batched greedy), or sample its own."""
+        """Accept the token already chosen for this sequence (a batched argmax or draw), or sample its own."""
         try:
             delta = seq.accept(chosen, None) if chosen is not None else seq.accept(*seq.sampler.sample(logits))
         except torch.OutOfMemoryError:

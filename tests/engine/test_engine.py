@@ -164,6 +164,24 @@ async def test_greedy_rows_are_sampled_one_by_one_when_the_batched_argmax_fails(
         assert result.token_ids == reference_greedy(tiny.model, prompt, 4)
 
 
+async def test_sampled_rows_draw_alike_in_a_batch_and_one_by_one(engine, tiny, monkeypatch):
+    """Seeded sampled rows: the batched draw, and the row-by-row fallback when it fails, give the same tokens."""
+    cases = [("Hello world", dict(temperature=0.9, seed=5)), ("The quick brown fox", dict(top_p=0.8, top_k=7, seed=6))]
+
+    async def both():
+        return await asyncio.gather(
+            *(run(engine, ids(tiny, text), rid=f"s{i}", max_tokens=8, **kw) for i, (text, kw) in enumerate(cases))
+        )
+
+    batched = await both()
+    calls = []
+    monkeypatch.setattr(loop_module, "batch_sample", lambda samplers, logits: calls.append(1) or 1 / 0)
+    fallback = await both()
+    assert calls  # the batched draw was tried, and failed
+    assert [r.token_ids for r in fallback] == [r.token_ids for r in batched]
+    assert len(set(batched[0].token_ids)) > 1
+
+
 async def test_a_failing_request_fails_alone(engine, tiny, monkeypatch):
     real_sample = Sampler.sample
 
@@ -175,7 +193,8 @@ async def test_a_failing_request_fails_alone(engine, tiny, monkeypatch):
     monkeypatch.setattr(Sampler, "sample", flaky)
     prompt = ids(tiny, "Hello world")
     bad, good = await asyncio.gather(
-        run(engine, prompt, session="f", rid="bad", seed=666, temperature=0.8, max_tokens=5),  # sampled alone
+        # a penalty to apply: it is sampled on its own, not in the step's batched draw
+        run(engine, prompt, session="f", rid="bad", seed=666, temperature=0.8, presence_penalty=0.1, max_tokens=5),
         run(engine, prompt, rid="good", seed=1, max_tokens=5, ignore_eos=True),
     )
     assert bad.error.code == "internal_error"

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from server.engine.request import SamplingParams
-from server.engine.sampler import Sampler
+from server.engine.sampler import TOP_P_CANDIDATES, Sampler, _truncate, batch_sample
 
 VALUES = [2.0, 1.5, 1.0, 0.5, -1.0, -3.0]  # by rank: VALUES[r] is the r-th best logit
 RANK_TO_ID = [4, 0, 5, 2, 1, 3]  # the token id holding each rank: not sorted, not reversed
@@ -81,3 +82,40 @@ def test_logprobs_are_of_the_raw_distribution():
     assert abs(lp.logprob - float(expected[token])) < 1e-6
     assert [t for t, _ in lp.top] == [RANK_TO_ID[0], RANK_TO_ID[1]]
     assert abs(lp.top[1][1] - float(expected[RANK_TO_ID[1]])) < 1e-6
+
+
+def test_one_batched_draw_honours_each_rows_own_settings():
+    settings = [dict(top_k=2), dict(top_p=0.01), dict(top_p=0.8), dict(min_p=0.5), dict(temperature=0.5)]
+    samplers = [sampler(seed=i, **kw) for i, kw in enumerate(settings)]
+    seen = [set() for _ in settings]
+    for _ in range(300):
+        for row, token in enumerate(batch_sample(samplers, LOGITS.expand(len(settings), -1))):
+            seen[row].add(token)
+    assert seen[:4] == [ranked(0, 1), ranked(0), ranked(0, 1, 2), ranked(0, 1)]
+    assert ranked(0, 1, 2) <= seen[4]  # temperature alone cuts nothing
+
+
+def test_a_seeded_row_draws_the_same_alone_and_in_a_batch():
+    alone = sampler(temperature=1.0, top_p=0.9, seed=3)
+    tokens = [alone.sample(LOGITS)[0] for _ in range(40)]
+    batched, other = sampler(temperature=1.0, top_p=0.9, seed=3), sampler(temperature=0.7, top_k=3, seed=4)
+    together = [batch_sample([other, batched], LOGITS.expand(2, -1))[1] for _ in range(40)]
+    assert together == tokens
+    assert len(set(tokens)) > 1
+
+
+@pytest.mark.parametrize("spread", [0.5, 8.0], ids=["flat", "peaked"])  # flat: top-p needs far more than 64 tokens
+def test_top_p_keeps_what_a_full_sort_keeps(spread):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5000, generator=gen) * spread
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.5), SamplingParams(top_p=1.0)]
+    probs = torch.softmax(logits, dim=-1)
+    kept = _truncate(logits, params) > 0
+    for row, p in enumerate(params):
+        ordered, order = torch.sort(probs[row], descending=True)
+        before = ordered.cumsum(0) - ordered
+        expected = torch.zeros(5000, dtype=torch.bool)
+        expected[order[before < p.top_p if p.top_p < 1.0 else slice(None)]] = True
+        assert torch.equal(kept[row], expected), (row, int(kept[row].sum()), int(expected.sum()))
+    # flat: the first look (the 64 most likely) was not enough; peaked: it was
+    assert (int(kept[0].sum()) > TOP_P_CANDIDATES) == (spread < 1)
