@@ -2,10 +2,11 @@
 
 Admission is first come, first served, by block reservation: a sequence starts only when the
 blocks for its prompt and max_tokens (less the shared ones it reuses) can be promised, so a
-running stream is never preempted. At admission it decides, once, where the prompt's K/V
-comes from: blocks already in the pool (shared whole, or a partial block copied), a host or
-disk snapshot (read first, off the engine thread: the sequence is LOADING meanwhile), or
-nothing (computed). A step is one decode token for every prefilled sequence, then prefill
+running stream is never preempted. One exception: a prompt whose prefix a running prefill of the
+same tenant is computing waits for its blocks (those behind it may go meanwhile), then shares them.
+At admission it decides, once, where the prompt's K/V comes from: blocks already in the pool
+(shared whole, or a partial block copied), a host or disk snapshot (read first, off the engine
+thread: the sequence is LOADING meanwhile), or nothing (computed). A step is one decode token for every prefilled sequence, then prefill
 chunks of the others up to the token budget, so a long prompt never stalls running streams.
 """
 
@@ -23,6 +24,7 @@ from server.sessions.record import SessionKey, common_prefix_len
 
 SOLO_PREFILL_FACTOR = 4  # with no stream to keep flowing, a prefill chunk may be this much larger
 MIN_PREFILL_CHUNK = 16  # however many streams decode, admitted prompts keep moving
+MIN_SHARED_BLOCKS = 2  # a prompt waits for a running prefill computing at least this many of its blocks
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,11 +88,13 @@ class Scheduler:
             seq.snapshot, seq.loading, seq.status = _result(seq), None, SequenceStatus.WAITING
         self.waiting.extendleft(reversed(loaded))  # back at the head, in their order of arrival
         admitted = []
-        while self.waiting:
-            admission = self._plan(self.waiting[0])
+        for seq in list(self.waiting):
+            if self._awaits_leader(seq):
+                continue  # stays in the queue; those behind it may go
+            admission = self._plan(seq)
             if admission is None:
                 break
-            seq = self.waiting.popleft()
+            self.waiting.remove(seq)
             if admission.load is not None:
                 seq.status, seq.has_looked_down = SequenceStatus.LOADING, True
                 self.loading.append(seq)
@@ -99,6 +103,24 @@ class Scheduler:
                 self.running.append(seq)
             admitted.append(admission)
         return admitted
+
+    def _awaits_leader(self, seq: Sequence) -> bool:
+        """Whether a running prefill of the same tenant is computing blocks of this prompt's prefix right now.
+
+        Conversations that open with the same new system prompt at once would each compute it; the first
+        computes it, the others wait until its blocks are published and then share them, computing only
+        their own rest. The wait ends when the leader's blocks are in the pool, or when it leaves.
+        """
+        if not seq.use_cache:
+            return False
+        bs, prompt = self.config.block_size, seq.request.prompt_ids
+        for leader in self.running:
+            if leader.is_prefilled or not leader.use_cache or leader.salt != seq.salt:
+                continue
+            shared = _common_full_blocks(leader.request.prompt_ids, prompt, bs, len(prompt) - 1)
+            if shared * bs > leader.num_computed and shared >= MIN_SHARED_BLOCKS:
+                return True
+        return False
 
     def _plan(self, seq: Sequence) -> Admission | None:
         """The sequence's admission, or None when its blocks cannot be reserved yet."""
@@ -210,6 +232,15 @@ class Scheduler:
         if seq.copy_source is not None:
             self.manager.release([seq.copy_source])
             seq.copy_source = None
+
+
+def _common_full_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:
+    """How many whole blocks of tokens the two prompts share from the start, within `limit` tokens."""
+    n = min(len(a), len(b), limit) // block_size
+    for i in range(n):
+        if a[i * block_size : (i + 1) * block_size] != b[i * block_size : (i + 1) * block_size]:
+            return i
+    return n
 
 
 def _result(seq: Sequence) -> Snapshot | None:

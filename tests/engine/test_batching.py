@@ -12,7 +12,7 @@ import torch
 from server.engine.model_runner import ModelRunner
 from server.engine.request import Failed, QueueFull
 from server.models.loader import load_model
-from server.sessions.record import SessionKey
+from server.sessions.record import SessionKey, common_prefix_len
 from tests.helpers import collect, make_engine, paused, reference_greedy, request, run, settled, wait_until_async
 
 BLOCK = 4
@@ -117,11 +117,10 @@ async def test_shared_prefix_blocks_are_counted_once(engine, tiny32):
     prefix = prefix[: len(prefix) // BLOCK * BLOCK]  # P a multiple of the block size
     await run(engine, prefix + ids(tiny32, " warm"), session="warm", max_tokens=1)  # computes the prefix once
     n = 4
+    prompts = [prefix + ids(tiny32, f" own {i}") for i in range(n)]
     tasks = [
-        asyncio.create_task(
-            run(engine, prefix + ids(tiny32, f" own {i}"), session=f"s{i}", rid=f"s{i}", max_tokens=60, ignore_eos=True)
-        )
-        for i in range(n)
+        asyncio.create_task(run(engine, p, session=f"s{i}", rid=f"s{i}", max_tokens=60, ignore_eos=True))
+        for i, p in enumerate(prompts)
     ]
     deadline = asyncio.get_running_loop().time() + 30
     while True:
@@ -132,7 +131,11 @@ async def test_shared_prefix_blocks_are_counted_once(engine, tiny32):
         await asyncio.sleep(0.001)
     shared = [b for b in seqs[0][0] if refs[b] == n]
     own = sum(len(blocks) for blocks, _, _ in seqs) - n * len(shared)
-    assert len(shared) == len(prefix) // BLOCK
+    # the cached prefix, and the block after it that the four prompts also share (" own" before the digit):
+    # the first to arrive computes it, the others wait for it and share it
+    common = min(common_prefix_len(prompts[0], p) for p in prompts[1:])
+    assert common // BLOCK > len(prefix) // BLOCK
+    assert len(shared) == common // BLOCK
     assert num_used == len(shared) + own
     assert all(num_cached >= len(prefix) for _, num_cached, _ in seqs)
     results = await asyncio.gather(*tasks)
@@ -274,3 +277,27 @@ async def test_a_stream_left_unread_is_ended_without_stalling_the_batch(engine, 
     assert events[-1].code == "slow_reader"
     assert len(events) < 20  # ended soon after 8 unread events, not after 500 tokens
     assert (await settled(engine)).num_blocks_used == 0
+
+
+async def test_conversations_opening_with_one_new_prompt_compute_it_once(engine, tiny32):
+    """Taken in one step, three prompts behind one uncached system prompt: the first computes it, the others
+    wait for its blocks and compute only their own tails. Another tenant's copy is computed on its own."""
+    system = ids(tiny32, "You are a terse assistant who answers in one word. " * 3)
+    prompts = [system + ids(tiny32, question) for question in (" Paris is", " Rome was", " The sea")]
+    before = engine.runner.counter.num_prefill_tokens
+    async with paused(engine):
+        tasks = [
+            asyncio.ensure_future(run(engine, p, rid=f"c{i}", max_tokens=6, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
+        elsewhere = dataclasses.replace(request(prompts[0], rid="acme", max_tokens=6, ignore_eos=True), tenant="acme")
+        tasks.append(asyncio.ensure_future(collect(engine.submit(elsewhere))))
+        await asyncio.sleep(0)  # every task submits before the engine takes the queue
+    results = await asyncio.gather(*tasks)
+    shared = min(common_prefix_len(prompts[0], p) for p in prompts[1:]) // BLOCK * BLOCK
+    assert shared >= len(system) - BLOCK
+    computed = engine.runner.counter.num_prefill_tokens - before
+    assert computed == len(prompts[0]) + sum(len(p) - shared for p in prompts[1:]) + len(prompts[0])
+    assert [r.usage.cached_tokens for r in results] == [0, shared, shared, 0]
+    for prompt, result in zip([*prompts, prompts[0]], results, strict=True):
+        assert result.token_ids == reference_greedy(tiny32.model, prompt, 6)
