@@ -142,8 +142,8 @@ class ModelRunner:
                     continue  # one run of blocks: SDPA on a view of it is faster still
                 else:
                     length = _run_length(table[: (part[0].ctx_len - 1) // bs])
-                keep = [r for r in part if r.ctx_len - length * bs <= max(KERNEL_MAX_CONTEXT, length * bs)]
-                if not keep or length == 0:
+                keep = [r for r in part if length and r.ctx_len - length * bs <= max(KERNEL_MAX_CONTEXT, length * bs)]
+                if not keep:
                     continue
                 for r in keep:
                     r.head = length * bs

@@ -6,8 +6,9 @@ running stream is never preempted. One exception: a prompt whose prefix a runnin
 same tenant is computing waits for its blocks (those behind it may go meanwhile), then shares them.
 At admission it decides, once, where the prompt's K/V comes from: blocks already in the pool
 (shared whole, or a partial block copied), a host or disk snapshot (read first, off the engine
-thread: the sequence is LOADING meanwhile), or nothing (computed). A step is one decode token for every prefilled sequence, then prefill
-chunks of the others up to the token budget, so a long prompt never stalls running streams.
+thread: the sequence is LOADING meanwhile), or nothing (computed). A step is one decode token for
+every prefilled sequence, then prefill chunks of the others up to the token budget, so a long
+prompt never stalls running streams.
 """
 
 from __future__ import annotations

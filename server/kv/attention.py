@@ -31,6 +31,7 @@ from server.kv.pool import KVPool
 ATTN_NAME = "kvserve_paged"
 STEP_KWARG = "kvserve_step"
 PROBE_NAME = "kvserve_probe"
+ATTENTION_INPUTS_ATTR = "_kvserve_attention_inputs"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # What paged_attention honours (sliding_window, softcap, scaling) or may ignore: positions are already in the
 # rotated queries and keys, and dropout is 0 at inference.
@@ -259,7 +260,13 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 def attention_inputs(model: torch.nn.Module) -> set[str]:
-    """The inputs transformers hands this model's attention function (flags aside), seen in a two-token forward."""
+    """The inputs transformers hands this model's attention function (flags aside), seen in a two-token forward.
+
+    Kept on the model: the loader asks (can it be served?) and so does the runner (can rows share heads?).
+    """
+    known: frozenset[str] | None = getattr(model, ATTENTION_INPUTS_ATTR, None)
+    if known is not None:
+        return set(known)
     seen: set[str] = set()
 
     def probe(module: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -276,4 +283,5 @@ def attention_inputs(model: torch.nn.Module) -> set[str]:
             model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False)
     finally:
         model.set_attn_implementation(previous)  # type: ignore[operator]
+    setattr(model, ATTENTION_INPUTS_ATTR, frozenset(seen))
     return seen
