@@ -42,6 +42,7 @@ OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or th
     "--body-timeout-s": "body_timeout_s",
     "--log-prompts": "log_prompts",
     "--log-level": "log_level",
+    "--replica-id": "replica_id",
 }
 
 

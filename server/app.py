@@ -76,6 +76,7 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
         body_timeout_s=settings.body_timeout_s,
         open_paths=open_paths,
         on_response=count,
+        replica=settings.replica_id,
     )
     cap_output_tokens(app, settings.max_tokens_limit)
     routers = (completions, chat, responses, models, sessions, health, metrics)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -72,6 +73,13 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is ended")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long open requests may finish")
     log_level: str = "info"
+    replica_id: str = Field(
+        default_factory=socket.gethostname,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="names this process in the X-Kvserve-Replica header of every answer (default: the host name)",
+    )
 
 
 def default_kv_budget(device_type: str, free_device_bytes: int | None, total_ram_bytes: int) -> int:

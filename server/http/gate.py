@@ -1,6 +1,7 @@
 """The first thing every HTTP request meets (pure ASGI, so streaming passes through untouched).
 
-It names the request (X-Request-ID), finds its tenant from the API key (401 before the body
+It names the request (X-Request-ID) and the replica answering it (X-Kvserve-Replica: behind a
+load balancer, which process served it), finds its tenant from the API key (401 before the body
 is even read), enforces the body size limit (413), and writes one access-log line and the
 request counter when the response is done. Log lines carry ids, never request content.
 """
@@ -23,9 +24,17 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 class Gate:
     def __init__(
-        self, app, keys: KeyRing, max_body_bytes: int, open_paths: set[str], on_response=None, body_timeout_s=30.0
+        self,
+        app,
+        keys: KeyRing,
+        max_body_bytes: int,
+        open_paths: set[str],
+        on_response=None,
+        body_timeout_s=30.0,
+        replica: str = "",
     ) -> None:
         self.app, self.keys, self.max_body_bytes, self.open_paths = app, keys, max_body_bytes, open_paths
+        self.named = [(b"x-kvserve-replica", replica.encode())] if replica else []
         self.body_timeout_s = body_timeout_s
         self.on_response = on_response  # (route, status, seconds) -> None: the metrics
 
@@ -49,7 +58,8 @@ class Gate:
                 for key, value in message.get("headers", []):
                     if key.lower() == b"x-session-id":
                         outcome["session"] = value.decode("latin-1")
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+                named = [(b"x-request-id", request_id.encode()), *self.named]
+                message = {**message, "headers": [*message.get("headers", []), *named]}
             await send(message)
 
         try:
