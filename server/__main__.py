@@ -43,6 +43,8 @@ OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or th
     "--log-prompts": "log_prompts",
     "--log-level": "log_level",
     "--replica-id": "replica_id",
+    "--shared-url": "shared_url",
+    "--shared-lease-s": "shared_lease_s",
 }
 
 

@@ -73,6 +73,14 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is ended")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long open requests may finish")
     log_level: str = "info"
+    shared_url: str | None = Field(
+        None,
+        description="redis://host:port/db of the store the replicas share (unset: one process, no Redis); "
+        "a session's turn then holds a lease there, so it runs on one replica at a time",
+    )
+    shared_lease_s: float = Field(
+        15.0, gt=0, description="a session lease's expiry: renewed while its turn runs, lost when its replica dies"
+    )
     replica_id: str = Field(
         default_factory=socket.gethostname,
         min_length=1,

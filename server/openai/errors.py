@@ -34,6 +34,7 @@ CODE_STATUS = {
     "shutting_down": 503,
     "not_ready": 503,
     "state_unavailable": 503,
+    "shared_store_unavailable": 503,
     "internal_error": 500,
     "cancelled": 499,
     "session_not_found": 404,

@@ -33,3 +33,9 @@ class StateUnavailable(SessionError):
     """The journal could not record a change: it was not applied either (memory and disk never disagree)."""
 
     code = "state_unavailable"
+
+
+class SharedStoreUnavailable(SessionError):
+    """The shared store (Redis) did not answer: what needs it is refused, never done without it."""
+
+    code = "shared_store_unavailable"

@@ -21,6 +21,7 @@ from server.sessions.errors import (
 )
 from server.sessions.index import Forgotten, Reach, SessionIndex
 from server.sessions.journal import Journal
+from server.sessions.leases import Leases, LocalLeases
 from server.sessions.record import CompletedTurn, Session, SessionInfo, SessionKey
 
 log = logging.getLogger("kvserve.sessions")
@@ -43,9 +44,12 @@ class SessionStore:
         forgetters: tuple[Forgetter, ...] = (),
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        leases: Leases | None = None,
     ) -> None:
         self.ttl_s = ttl_s
         self.journal = journal or Journal(None)
+        self.leases: Leases = leases or LocalLeases()  # across replicas: whose turn it is on a session
+        self._tokens: dict[SessionKey, str] = {}  # the lease token of each session in use
         self._forgetters = forgetters
         self._clock, self._wall = clock, wall_clock
         self._lock = threading.Lock()
@@ -123,9 +127,24 @@ class SessionStore:
             if session.is_in_use:
                 raise SessionBusy(f"session {key.name!r} already has a request in flight")
             session.is_in_use = True
+        if not key.is_bucket:  # the replicas' lock, taken outside ours: it may wait on the network
+            try:
+                token = self.leases.take(key)
+            except Exception:
+                self._unmark(session)
+                raise
+            if token is None:
+                self._unmark(session)
+                raise SessionBusy(f"session {key.name!r} has a request in flight on another replica")
+            self._tokens[key] = token
+        with self._lock:
             session.last_use, session.last_use_wall = self._clock(), self._wall()
             self._index.busy(session)
             return session
+
+    def _unmark(self, session: Session) -> None:
+        with self._lock:
+            session.is_in_use = False
 
     def release(self, session: Session, turn: CompletedTurn | None = None) -> None:
         """Give the session back; a completed `turn` is journaled, then applied, before this returns. Raises
@@ -146,6 +165,9 @@ class SessionStore:
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
                 if is_live:
                     self._index.touch(session)
+                token = self._tokens.pop(session.key, None)
+            if token is not None:  # after the turn is journaled: the next replica sees it
+                self.leases.give_back(session.key, token)
 
     def _journal_turn(self, session: Session, turn: CompletedTurn) -> Session:
         """The session with `turn` applied, written to the journal; raises with nothing changed."""

@@ -1,0 +1,104 @@
+"""Whose turn it is on a session, across replicas: a lease per session in the shared store.
+
+One process needs no lease: the store's own busy flag already keeps a session to one request
+(`LocalLeases`). With replicas behind a load balancer the same session can reach two of them at
+once; `RedisLeases` then holds `kvserve:lease:<tenant>:<kind>:<name>` in Redis, set only if absent,
+with a random token and an expiry. A holder renews its leases while it works (a thread, every third
+of the lease), gives a lease back only if it still holds it (compare-and-delete), and a replica that
+dies holding one loses it when it expires. Redis is imported only when a shared URL is configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from typing import Any, Protocol
+
+from server.sessions.errors import SharedStoreUnavailable
+from server.sessions.record import SessionKey
+
+log = logging.getLogger("kvserve.leases")
+# Delete or extend the key only while it still holds our token: a lease that expired and was taken by
+# another replica is never touched.
+GIVE_BACK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+
+
+class Leases(Protocol):
+    def take(self, key: SessionKey) -> str | None:
+        """A token when the lease is ours now; None when another holder has it. Raises SharedStoreUnavailable."""
+        ...
+
+    def give_back(self, key: SessionKey, token: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalLeases:
+    """One process: the session store's busy flag is the whole lock."""
+
+    def take(self, key: SessionKey) -> str | None:
+        return ""
+
+    def give_back(self, key: SessionKey, token: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RedisLeases:
+    def __init__(self, url: str, lease_s: float, timeout_s: float = 1.0) -> None:
+        import redis  # only with a shared store configured
+
+        self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
+        self.client: Any = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.lease_ms = int(lease_s * 1000)
+        self._give_back, self._renew = self.client.register_script(GIVE_BACK), self.client.register_script(RENEW)
+        self._held: dict[str, str] = {}  # redis key -> our token
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew_loop, name="kvserve-leases", daemon=True)
+        self._renewer.start()
+
+    def take(self, key: SessionKey) -> str | None:
+        name, token = _name(key), secrets.token_hex(16)
+        try:
+            taken = self.client.set(name, token, nx=True, px=self.lease_ms)
+        except self._errors as exc:
+            raise SharedStoreUnavailable(f"the shared store did not answer ({type(exc).__name__})") from exc
+        if not taken:
+            return None
+        with self._lock:
+            self._held[name] = token
+        return token
+
+    def give_back(self, key: SessionKey, token: str) -> None:
+        name = _name(key)
+        with self._lock:
+            self._held.pop(name, None)
+        try:
+            self._give_back(keys=[name], args=[token])
+        except self._errors:  # it expires on its own
+            log.warning("lease of %s not given back: the shared store did not answer", key.name)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._renewer.join(5)
+        self.client.close()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.lease_ms / 3000):
+            with self._lock:
+                held = list(self._held.items())
+            for name, token in held:
+                try:
+                    if not self._renew(keys=[name], args=[token, self.lease_ms]):
+                        log.warning("lease %s was lost (expired before it was renewed)", name)
+                except self._errors:
+                    log.warning("lease %s not renewed: the shared store did not answer", name)
+
+
+def _name(key: SessionKey) -> str:
+    return f"kvserve:lease:{key.tenant}:{key.kind}:{key.name}"
