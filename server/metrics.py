@@ -123,3 +123,7 @@ class _StateCollector:
         for kind, count in sorted(host.store.counts().items()):
             sessions.add_metric([kind], count)
         yield from (running, waiting, usage, kv_bytes, evictions, failed, sessions)
+        if host.store.leases.is_up is not None:
+            shared = GaugeMetricFamily("kvserve:shared_store_up", "1 when the shared store (Redis) answers, else 0")
+            shared.add_metric([], 1.0 if host.store.leases.is_up else 0.0)
+            yield shared

@@ -34,6 +34,11 @@ class Leases(Protocol):
 
     def close(self) -> None: ...
 
+    @property
+    def is_up(self) -> bool | None:
+        """Whether the shared store answered its last call (None: there is none)."""
+        ...
+
 
 class LocalLeases:
     """One process: the session store's busy flag is the whole lock."""
@@ -47,6 +52,10 @@ class LocalLeases:
     def close(self) -> None:
         pass
 
+    @property
+    def is_up(self) -> bool | None:
+        return None
+
 
 class RedisLeases:
     def __init__(self, url: str, lease_s: float, timeout_s: float = 1.0) -> None:
@@ -58,6 +67,7 @@ class RedisLeases:
         self._give_back, self._renew = self.client.register_script(GIVE_BACK), self.client.register_script(RENEW)
         self._held: dict[str, str] = {}  # redis key -> our token
         self._lock = threading.Lock()
+        self._up = True  # the last call's outcome; the renewer pings when it has nothing to renew
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_loop, name="kvserve-leases", daemon=True)
         self._renewer.start()
@@ -67,7 +77,9 @@ class RedisLeases:
         try:
             taken = self.client.set(name, token, nx=True, px=self.lease_ms)
         except self._errors as exc:
+            self._up = False
             raise SharedStoreUnavailable(f"the shared store did not answer ({type(exc).__name__})") from exc
+        self._up = True
         if not taken:
             return None
         with self._lock:
@@ -88,16 +100,28 @@ class RedisLeases:
         self._renewer.join(5)
         self.client.close()
 
+    @property
+    def is_up(self) -> bool | None:
+        return self._up
+
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.lease_ms / 3000):
             with self._lock:
                 held = list(self._held.items())
-            for name, token in held:
-                try:
+            try:
+                for name, token in held:
                     if not self._renew(keys=[name], args=[token, self.lease_ms]):
                         log.warning("lease %s was lost (expired before it was renewed)", name)
-                except self._errors:
-                    log.warning("lease %s not renewed: the shared store did not answer", name)
+                if not held:
+                    self.client.ping()
+            except self._errors:
+                if self._up:
+                    log.warning("the shared store does not answer: session turns are refused until it does")
+                self._up = False
+            else:
+                if not self._up:
+                    log.info("the shared store answers again")
+                self._up = True
 
 
 def _name(key: SessionKey) -> str:

@@ -122,5 +122,11 @@ def test_a_session_runs_on_one_replica_at_a_time(model_dir, tmp_path):
     assert refused.json()["error"]["code"] == "shared_store_unavailable"
     plain = httpx.post(b.base + "/v1/completions", json={"model": "model", "prompt": "Hi", "max_tokens": 2})
     assert plain.status_code == 200
+    ready = httpx.get(b.base + "/ready")
+    assert ready.status_code == 200  # it still serves: a balancer must not take it out
+    assert ready.json()["shared_store"] == "down"
+    assert "kvserve:shared_store_up 0.0" in httpx.get(b.base + "/metrics").text
     store = Redis(tmp_path, store.port)
+    wait_until(lambda: httpx.get(b.base + "/ready").json()["shared_store"] == "up", 30, "the store to be seen up")
+    assert "kvserve:shared_store_up 1.0" in httpx.get(b.base + "/metrics").text
     assert turn(b.base, "conv-3").status_code == 200

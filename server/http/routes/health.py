@@ -22,7 +22,11 @@ async def ready(host: ModelHost = Depends(deps.host)) -> JSONResponse:
         body = error_body(503, "shutting_down", "shutting down: finishing the requests already running")
         return JSONResponse({**body, "models": models}, status_code=503)
     if host.is_ready:
-        return JSONResponse({"status": "ready", "models": models})
+        answer: dict = {"status": "ready", "models": models}
+        shared = host.store.leases.is_up
+        if shared is not None:  # a replica without its shared store still serves what needs none of it
+            answer["shared_store"] = "up" if shared else "down"
+        return JSONResponse(answer)
     waiting = [f"{mid} is {s.status}" + (f" ({s.detail})" if s.detail else "") for mid, s in host.states.items()]
     body = error_body(503, "not_ready", "not ready: " + "; ".join(waiting))
     return JSONResponse({**body, "models": models}, status_code=503)
