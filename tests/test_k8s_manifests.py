@@ -1,0 +1,61 @@
+"""docker/k8s: valid against Kubernetes' own schemas (offline, strict: unknown fields fail), and wired as
+the scale-out design needs (affinity on X-Session-ID, probes, drain, Redis bounded by its memory)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+K8S = Path(__file__).resolve().parents[1] / "docker" / "k8s"
+VALIDATE = shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent))
+MANIFESTS = sorted(K8S.glob("*.yaml"))
+
+
+def documents() -> dict[tuple[str, str], dict]:
+    found = {}
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            found[(doc["kind"], doc["metadata"]["name"])] = doc
+    return found
+
+
+@pytest.mark.skipif(VALIDATE is None, reason="kubernetes-validate (a dev dependency) is not installed")
+@pytest.mark.parametrize("version", ["1.30.0", None], ids=["k8s-1.30", "latest"])
+def test_the_manifests_are_valid_kubernetes(version):
+    args = [VALIDATE, "--strict", *(["--kubernetes-version", version] if version else []), *map(str, MANIFESTS)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("passed") == len(documents())
+
+
+def test_the_manifests_wire_affinity_probes_drain_and_a_bounded_redis():
+    docs = documents()
+    ingress = docs[("Ingress", "kvserve")]
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_session_id"
+    assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+
+    pod = docs[("Deployment", "kvserve")]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    redis_service = docs[("Service", "kvserve-redis")]
+    port = redis_service["spec"]["ports"][0]["port"]
+    assert env["KVSERVE_SHARED_URL"]["value"] == f"redis://kvserve-redis:{port}/0"
+    assert env["KVSERVE_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert "preStop" in container["lifecycle"]
+    grace = float(env["KVSERVE_SHUTDOWN_GRACE_S"]["value"])
+    assert pod["terminationGracePeriodSeconds"] > grace + container["lifecycle"]["preStop"]["sleep"]["seconds"]
+
+    redis = docs[("StatefulSet", "kvserve-redis")]["spec"]["template"]["spec"]["containers"][0]
+    args = redis["args"]
+    maxmemory = args[args.index("--maxmemory") + 1]
+    assert maxmemory.endswith("mb")
+    assert int(maxmemory[:-2]) * 2**20 < 2**30  # below the container's 1Gi limit
+    assert redis["resources"]["limits"]["memory"] == "1Gi"
+    assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
