@@ -127,6 +127,7 @@ class SessionStore:
             if session.is_in_use:
                 raise SessionBusy(f"session {key.name!r} already has a request in flight")
             session.is_in_use = True
+        token: str | None = None
         if not key.is_bucket:  # the replicas' lock, taken outside ours: it may wait on the network
             try:
                 token = self.leases.take(key)
@@ -136,8 +137,9 @@ class SessionStore:
             if token is None:
                 self._unmark(session)
                 raise SessionBusy(f"session {key.name!r} has a request in flight on another replica")
-            self._tokens[key] = token
         with self._lock:
+            if token is not None:
+                self._tokens[key] = token
             session.last_use, session.last_use_wall = self._clock(), self._wall()
             self._index.busy(session)
             return session
