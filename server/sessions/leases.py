@@ -15,7 +15,7 @@ import secrets
 import threading
 from typing import Any, Protocol
 
-from server.sessions.errors import SharedStoreUnavailable
+from server.sessions.errors import SessionBusy, SharedStoreUnavailable
 from server.sessions.record import SessionKey
 
 log = logging.getLogger("kvserve.leases")
@@ -38,6 +38,36 @@ class Leases(Protocol):
     def is_up(self) -> bool | None:
         """Whether the shared store answered its last call (None: there is none)."""
         ...
+
+
+class LeaseBook:
+    """The leases this process holds, by session: taken when a turn starts, given back when it ends."""
+
+    def __init__(self, leases: Leases) -> None:
+        self.leases = leases
+        self._tokens: dict[SessionKey, str] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def is_up(self) -> bool | None:
+        return self.leases.is_up
+
+    def take(self, key: SessionKey) -> None:
+        """Raises SessionBusy when another replica holds it, SharedStoreUnavailable when the store is down."""
+        token = self.leases.take(key)
+        if token is None:
+            raise SessionBusy(f"session {key.name!r} has a request in flight on another replica")
+        with self._lock:
+            self._tokens[key] = token
+
+    def give_back(self, key: SessionKey) -> None:
+        with self._lock:
+            token = self._tokens.pop(key, None)
+        if token is not None:
+            self.leases.give_back(key, token)
+
+    def close(self) -> None:
+        self.leases.close()
 
 
 class LocalLeases:

@@ -19,10 +19,11 @@ from server.sessions.errors import (
     SessionNotFound,
     StateUnavailable,
 )
-from server.sessions.index import Forgotten, Reach, SessionIndex
+from server.sessions.index import Forgotten, SessionIndex
 from server.sessions.journal import Journal
-from server.sessions.leases import Leases, LocalLeases
-from server.sessions.record import CompletedTurn, Session, SessionInfo, SessionKey
+from server.sessions.leases import LeaseBook, Leases, LocalLeases
+from server.sessions.reads import StoreReads
+from server.sessions.record import CompletedTurn, Session, SessionKey
 
 log = logging.getLogger("kvserve.sessions")
 TurnHook = Callable[[dict[str, Any], CompletedTurn], None]  # updates a kind's extras when a turn completes
@@ -36,7 +37,7 @@ class Forgetter(Protocol):
     def drop(self, key: SessionKey) -> None: ...
 
 
-class SessionStore:
+class SessionStore(StoreReads):
     def __init__(
         self,
         ttl_s: float,
@@ -48,8 +49,7 @@ class SessionStore:
     ) -> None:
         self.ttl_s = ttl_s
         self.journal = journal or Journal(None)
-        self.leases: Leases = leases or LocalLeases()  # across replicas: whose turn it is on a session
-        self._tokens: dict[SessionKey, str] = {}  # the lease token of each session in use
+        self.leases = LeaseBook(leases or LocalLeases())  # across replicas: whose turn it is on a session
         self._forgetters = forgetters
         self._clock, self._wall = clock, wall_clock
         self._lock = threading.Lock()
@@ -127,26 +127,17 @@ class SessionStore:
             if session.is_in_use:
                 raise SessionBusy(f"session {key.name!r} already has a request in flight")
             session.is_in_use = True
-        token: str | None = None
         if not key.is_bucket:  # the replicas' lock, taken outside ours: it may wait on the network
             try:
-                token = self.leases.take(key)
+                self.leases.take(key)
             except Exception:
-                self._unmark(session)
+                with self._lock:
+                    session.is_in_use = False
                 raise
-            if token is None:
-                self._unmark(session)
-                raise SessionBusy(f"session {key.name!r} has a request in flight on another replica")
         with self._lock:
-            if token is not None:
-                self._tokens[key] = token
             session.last_use, session.last_use_wall = self._clock(), self._wall()
             self._index.busy(session)
             return session
-
-    def _unmark(self, session: Session) -> None:
-        with self._lock:
-            session.is_in_use = False
 
     def release(self, session: Session, turn: CompletedTurn | None = None) -> None:
         """Give the session back; a completed `turn` is journaled, then applied, before this returns. Raises
@@ -167,9 +158,7 @@ class SessionStore:
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
                 if is_live:
                     self._index.touch(session)
-                token = self._tokens.pop(session.key, None)
-            if token is not None:  # after the turn is journaled: the next replica sees it
-                self.leases.give_back(session.key, token)
+            self.leases.give_back(session.key)  # after the turn is journaled
 
     def _journal_turn(self, session: Session, turn: CompletedTurn) -> Session:
         """The session with `turn` applied, written to the journal; raises with nothing changed."""
@@ -178,69 +167,6 @@ class SessionStore:
             if self._sessions.get(session.key) is session:  # deleted meanwhile: its state belongs to nobody
                 self._save(session.key, staged.to_record())
         return staged
-
-    # -- reading ----------------------------------------------------------------------
-    def info(self, key: SessionKey) -> SessionInfo | None:
-        with self._lock:
-            self._expire_locked()
-            session = self._sessions.get(key)
-            return None if session is None else SessionInfo.of(session)
-
-    def page(self, tenant: str, kind: str, limit: int, after: str | None = None) -> tuple[list[SessionInfo], bool]:
-        """Up to `limit` of the tenant's sessions of `kind`, oldest first, after the one named `after`;
-        and whether more follow. Costs the page, not the tenant's number of sessions."""
-        with self._lock:
-            self._expire_locked()
-            start = None
-            if after is not None:
-                anchor = self._sessions.get(SessionKey(tenant, after, kind))
-                if anchor is None:
-                    return [], False
-                start = (anchor.created_at, anchor.key.name)
-            keys = self._index.page(tenant, kind, start, limit + 1)
-            return [SessionInfo.of(self._sessions[k]) for k in keys[:limit]], len(keys) > limit
-
-    def view(self, key: SessionKey) -> Session | None:
-        """A detached copy (transcript, turns, messages, extras), for building a prompt."""
-        with self._lock:
-            self._expire_locked()
-            session = self._sessions.get(key)
-            return None if session is None else session.copy()
-
-    def transcript(self, key: SessionKey) -> list[int]:
-        with self._lock:
-            session = self._sessions.get(key)
-            return list(session.transcript_ids) if session else []
-
-    def reach(self, key: SessionKey, model_id: str, transcript: list[int]) -> Reach:
-        """How much of `transcript` another session or response of `key`'s tenant on the model shares: the K/V
-        blocks holding it are reached by someone else."""
-        with self._lock:
-            return self._index.reach(key.tenant, model_id, transcript, exclude=key)
-
-    def idle_transcripts(self, model_id: str) -> list[tuple[SessionKey, list[int]]]:
-        """Idle sessions and responses of a model with a transcript, least recently used first."""
-        with self._lock:
-            found = [(k, self._sessions[k].transcript_ids) for k in self._index.idle(model_id)]
-            return [(k, list(ids)) for k, ids in found if ids]
-
-    def tenant_usage(self, tenant: str, exclude: SessionKey) -> tuple[int, int]:
-        """(entries of `exclude`'s kind family, transcript tokens of its sessions and responses), `exclude` left out."""
-        with self._lock:
-            return self._index.usage(tenant, exclude, self._sessions.get(exclude))
-
-    def session_keys(self, kind: str | None = None) -> set[SessionKey]:
-        with self._lock:
-            return {k for k in self._sessions if kind is None or k.kind == kind}
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._index.counts())
-
-    def is_live(self, key: SessionKey, session: Session | None = None) -> bool:
-        """Whether `key` names a session (`session` itself, when given: not a new one under a deleted name)."""
-        with self._lock:
-            return key in self._sessions if session is None else self._sessions.get(key) is session
 
     # -- changing ---------------------------------------------------------------------
     def rewind(self, key: SessionKey, num_turns: int) -> Session:
