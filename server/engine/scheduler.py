@@ -118,7 +118,7 @@ class Scheduler:
         for leader in self.running:
             if leader.is_prefilled or not leader.use_cache or leader.salt != seq.salt:
                 continue
-            shared = _common_full_blocks(leader.request.prompt_ids, prompt, bs, len(prompt) - 1)
+            shared = min(common_prefix_len(leader.request.prompt_ids, prompt), len(prompt) - 1) // bs
             if shared * bs > leader.num_computed and shared >= MIN_SHARED_BLOCKS:
                 return True
         return False
@@ -233,15 +233,6 @@ class Scheduler:
         if seq.copy_source is not None:
             self.manager.release([seq.copy_source])
             seq.copy_source = None
-
-
-def _common_full_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:
-    """How many whole blocks of tokens the two prompts share from the start, within `limit` tokens."""
-    n = min(len(a), len(b), limit) // block_size
-    for i in range(n):
-        if a[i * block_size : (i + 1) * block_size] != b[i * block_size : (i + 1) * block_size]:
-            return i
-    return n
 
 
 def _result(seq: Sequence) -> Snapshot | None:
