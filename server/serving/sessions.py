@@ -7,6 +7,7 @@ here); its host and disk snapshots by the tiers.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import uuid
 from collections.abc import Callable
@@ -21,10 +22,12 @@ from server.serving import continuation
 from server.serving.core import Serving
 from server.serving.prompts import check_text_size
 from server.sessions.errors import SessionError
+from server.sessions.index import Reach
 from server.sessions.record import SessionInfo, SessionKey
 
 MAX_LIST = 1000
 T = TypeVar("T")
+Asked = tuple[SessionKey, list[int], Reach | None]  # a session, its transcript, whom it shares blocks with
 
 
 class Device(NamedTuple):
@@ -99,15 +102,19 @@ class Sessions:
         (device,) = await self._residency([info], with_sharing=True)
         return self._body(info, device, with_sharing=True)
 
-    async def list_page(self, tenant: str, limit: int, after: str | None) -> dict[str, Any]:
-        page, has_more = self.store.page(tenant, "session", limit, after)
+    async def list_page(self, tenant: str, limit: int, after: str | None) -> bytes:
+        """A page of the tenant's sessions, as JSON. Up to 1,000 records: read, rendered and encoded on worker
+        threads, so that a lister holds the event loop for no longer than a thread switch."""
+        page, has_more = await asyncio.to_thread(self.store.page, tenant, "session", limit, after)
         devices = await self._residency(page, with_sharing=False)
-        return {
-            "object": "list",
-            "data": [self._body(info, device, with_sharing=False) for info, device in zip(page, devices, strict=True)],
-            "has_more": has_more,
-            "last_id": page[-1].key.name if page else None,
-        }
+
+        def encode() -> bytes:
+            data = [self._body(info, device, with_sharing=False) for info, device in zip(page, devices, strict=True)]
+            last_id = page[-1].key.name if page else None
+            body = {"object": "list", "data": data, "has_more": has_more, "last_id": last_id}
+            return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+        return await asyncio.to_thread(encode)
 
     async def _residency(self, infos: list[SessionInfo], with_sharing: bool) -> list[Device]:
         """Each session's K/V in its engine's pool; one question per engine, asked on its thread.
@@ -122,15 +129,20 @@ class Sessions:
             engine = self.host.engines.get(model_id)
             if engine is None:
                 continue
-            items = []
-            for index in indices:
-                key = infos[index].key
-                transcript = self.store.transcript(key)
-                items.append((key, transcript, self.store.reach(key, model_id, transcript) if with_sharing else None))
+            keys = [infos[i].key for i in indices]
+            items = await asyncio.to_thread(self._residency_items, keys, model_id, with_sharing)
             for index, usage in zip(indices, await engine.residency(items), strict=True):
                 bb = engine.block_bytes
                 found[index] = Device(usage.num_tokens, usage.num_exclusive * bb, usage.num_shared * bb)
         return found
+
+    def _residency_items(self, keys: list[SessionKey], model_id: str, with_sharing: bool) -> list[Asked]:
+        """What the engine needs to measure each session's K/V (its transcript; whom it shares blocks with)."""
+        items = []
+        for key in keys:
+            transcript = self.store.transcript(key)
+            items.append((key, transcript, self.store.reach(key, model_id, transcript) if with_sharing else None))
+        return items
 
     def _body(self, info: SessionInfo, device: Device, with_sharing: bool) -> dict[str, Any]:
         lower = self.host.tiers.usage(info.key)

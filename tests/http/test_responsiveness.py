@@ -1,83 +1,156 @@
-"""The event loop never does a tenant's heavy work: /health answers within 0.5 s while a 7 MiB prompt is refused,
-while 8 clients list 1,000 of 10,000 sessions, and while sessions are created among 10,000 others."""
+"""The event loop never does a tenant's heavy work (issue 15, point 2), proven by behaviour, not by a clock.
+
+Tokenising, template rendering and listing run on worker threads: each test holds that work mid-way and
+asks /health meanwhile, which can only answer if the loop is free. Listing and creating cost what the page
+needs, not what the tenant holds: counted in Python calls among 1,000 and among 10,000 sessions. A prompt
+beyond the context is refused by its byte size, never tokenised. (The latency /health keeps on this
+machine while such work runs is measured by bench/responsiveness.py.)
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
+from server.serving import continuation, prompts
 from server.sessions.record import SessionKey
+from server.sessions.store import SessionStore
 from server.settings import Settings
 from tests.http.conftest import serve_live
 
-MAX_HEALTH_S = 0.5
 NUM_SESSIONS = 10_000
+DEADLINE_S = 30  # for the held work to start, and for /health to answer while it is held
 
 
 @pytest.fixture(scope="module")
-def crowded(tiny_spec):
+def crowded(tiny_spec) -> Iterator[tuple[str, Any]]:
     """A server whose default tenant already holds 10,000 sessions."""
     with serve_live([tiny_spec], Settings(max_sessions_per_tenant=2 * NUM_SESSIONS)) as (base, engine):
         for i in range(NUM_SESSIONS):
             engine.store.create(SessionKey("default", f"s{i:05d}"), "tiny")
-        yield base
+        yield base, engine
 
 
-async def slowest_health(base: str, work) -> tuple[float, list]:
-    """Run `work` (a coroutine) while polling /health; the slowest answer in seconds, and the work's result."""
-    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+class Held:
+    """Wraps a function so that its calls wait, inside it, until released."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        assert self.release.wait(DEADLINE_S), "the held call was never released"
+        return self.fn(*args, **kwargs)
+
+
+async def health_while_held(base: str, held: Held, work) -> Any:
+    """Start `work` (a coroutine), wait until it is inside `held`, check /health answers, release; its result."""
+    async with httpx.AsyncClient(base_url=base, timeout=DEADLINE_S) as client:
         task = asyncio.create_task(work)
-        slowest = 0.0
-        while not task.done():
-            started = time.perf_counter()
-            assert (await client.get("/health")).status_code == 200
-            slowest = max(slowest, time.perf_counter() - started)
-            await asyncio.sleep(0.02)
-        return slowest, await task
+        try:
+            entered = await asyncio.to_thread(held.entered.wait, DEADLINE_S)
+            assert entered, f"the work never reached {held.fn.__name__}"
+            try:
+                health = await client.get("/health")
+            except httpx.TimeoutException:
+                pytest.fail(f"/health got no answer while {held.fn.__name__} was held: it holds the event loop")
+            assert health.status_code == 200
+        finally:
+            held.release.set()
+        return await task
 
 
-async def test_a_huge_prompt_is_refused_by_its_size_without_stalling_others(crowded):
+async def test_a_huge_prompt_is_refused_by_its_size_never_tokenised(crowded, monkeypatch):
+    base, _ = crowded
+    calls = []
+    monkeypatch.setattr(continuation, "prompt_ids", lambda *args: calls.append(args))
     content = "word " * (7 * 2**20 // 5)  # 7 MiB of text, far beyond the 4,096-token context
-
-    async def send():
-        async with httpx.AsyncClient(base_url=crowded, timeout=60) as client:
-            body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
-            return await client.post("/v1/chat/completions", json=body)
-
-    slowest, r = await slowest_health(crowded, send())
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+        r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
-    assert "bytes of text" in r.json()["error"]["message"]  # refused by size: never tokenized
-    assert slowest < MAX_HEALTH_S
+    assert "bytes of text" in r.json()["error"]["message"]
+    assert calls == []
 
 
-async def test_listing_pages_costs_the_page(crowded):
-    async def list_pages():
-        async with httpx.AsyncClient(base_url=crowded, timeout=60) as client:
-            pages = [client.get("/v1/sessions", params={"limit": 1000, "after": f"s{i * 1000:05d}"}) for i in range(8)]
-            return await asyncio.gather(*pages)
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+async def test_tokenising_leaves_the_event_loop(crowded, monkeypatch, endpoint):
+    base, _ = crowded
+    if endpoint == "chat":
+        held = Held(continuation.prompt_ids)
+        monkeypatch.setattr(continuation, "prompt_ids", held)
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}
+    else:
+        held = Held(prompts.completion_ids)
+        monkeypatch.setattr("server.serving.completions.completion_ids", held)
+        path, body = "/v1/completions", {"prompt": "Hi"}
 
-    slowest, pages = await slowest_health(crowded, list_pages())
-    for i, page in enumerate(pages):
-        body = page.json()
-        assert len(body["data"]) == 1000
-        assert body["data"][0]["id"] == f"s{i * 1000 + 1:05d}"  # oldest first, right after the anchor
-    assert slowest < MAX_HEALTH_S
+    async def send() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            return await client.post(path, json={"model": "tiny", "max_tokens": 2, **body})
+
+    r = await health_while_held(base, held, send())
+    assert r.status_code == 200, r.text
 
 
-async def test_creating_sessions_among_many_stays_fast(crowded):
-    async def create_some():
-        async with httpx.AsyncClient(base_url=crowded, timeout=60) as client:
-            times = []
-            for _ in range(20):
-                started = time.perf_counter()
-                assert (await client.post("/v1/sessions", json={})).status_code == 201
-                times.append(time.perf_counter() - started)
-            return times
+async def test_listing_leaves_the_event_loop(crowded, monkeypatch):
+    base, engine = crowded
+    held = Held(engine.store.page)
+    monkeypatch.setattr(engine.store, "page", held)
 
-    slowest, times = await slowest_health(crowded, create_some())
-    assert max(times) < MAX_HEALTH_S  # it was 2.8 s among 10,000 when every call walked every session
-    assert slowest < MAX_HEALTH_S
+    async def list_page() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            return await client.get("/v1/sessions", params={"limit": 1000, "after": "s04000"})
+
+    r = await health_while_held(base, held, list_page())
+    body = r.json()
+    assert len(body["data"]) == 1000
+    assert body["data"][0]["id"] == "s04001"  # oldest first, right after the anchor
+    assert body["has_more"] is True
+
+
+def count_calls(fn: Callable[[], Any]) -> int:
+    """Python and C function calls made by fn() on this thread: a measure of work that no load changes."""
+    calls = 0
+
+    def profile(frame, event, arg) -> None:
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_listing_and_creating_cost_the_page_not_the_tenant():
+    def work_among(n: int) -> tuple[int, int]:
+        store = SessionStore(ttl_s=3600)
+        for i in range(n):
+            store.create(SessionKey("t", f"s{i:05d}"), "m")
+        anchor = f"s{n // 2:05d}"
+        page = count_calls(lambda: store.page("t", "session", 100, anchor))
+        create = count_calls(lambda: store.create(SessionKey("t", "new"), "m"))
+        assert [info.key.name for info in store.page("t", "session", 2, anchor)[0]] == [
+            f"s{n // 2 + 1:05d}",
+            f"s{n // 2 + 2:05d}",
+        ]
+        return page, create
+
+    small_page, small_create = work_among(1_000)
+    page, create = work_among(2 * NUM_SESSIONS)
+    # A walk over every session would cost about 20x more; a sorted index costs a few more bisection steps.
+    assert page < 1.5 * small_page, (page, small_page)
+    assert create < 1.5 * small_create, (create, small_create)

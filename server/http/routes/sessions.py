@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Body, Depends, Path, Query
+from fastapi import APIRouter, Body, Depends, Path, Query, Response
 
 from server.http import deps
 from server.openai.schemas import SESSION_ID_PATTERN, SessionCreate, SessionFork, SessionRewind
@@ -57,8 +57,8 @@ async def list_sessions(
     after: str | None = Query(None, pattern=SESSION_ID_PATTERN, description="a session id: list the ones after it"),
     sessions: Sessions = Depends(deps.sessions),
     tenant: str = Depends(deps.tenant),
-) -> dict:
-    return await sessions.list_page(tenant, limit, after)
+) -> Response:
+    return Response(await sessions.list_page(tenant, limit, after), media_type="application/json")
 
 
 @router.get(
