@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import resource
-import shutil
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -23,11 +21,6 @@ pytestmark = pytest.mark.faults
 
 
 PARTIAL_HEADER = b"GET /health HTTP/1.1\r\nHost: slow\r\nX-Slow: "  # never finished
-
-
-@pytest.fixture
-def model_dir(tiny_spec, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_spec.source, tmp_path / "model"))
 
 
 def slow_socket(port: int) -> socket.socket:

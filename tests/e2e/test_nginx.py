@@ -7,7 +7,6 @@ takes; a killed replica is marked down and its requests (which never reached it)
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
@@ -82,11 +81,6 @@ class Nginx:
         r = httpx.get(self.base + "/health", headers=headers, timeout=30)
         assert r.status_code == 200, r.text
         return r.headers["x-kvserve-replica"]
-
-
-@pytest.fixture
-def model_dir(tiny_spec, tmp_path) -> Path:
-    return Path(shutil.copytree(tiny_spec.source, tmp_path / "model"))
 
 
 def replica(model_dir: Path, tmp_path: Path, name: str) -> Server:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -42,12 +40,6 @@ def two_turns(base: str, sid: str, first: str = "Hello world") -> list[dict]:
 
 def session(base: str, sid: str) -> dict:
     return httpx.get(f"{base}/v1/sessions/{sid}").json()
-
-
-@pytest.fixture
-def model_dir(tiny_spec, tmp_path) -> Path:
-    """The tiny model in a directory named "model": `--model DIR` serves it under that id."""
-    return Path(shutil.copytree(tiny_spec.source, tmp_path / "model"))
 
 
 def stream_in_thread(base: str, out: list) -> threading.Thread:
