@@ -11,10 +11,12 @@ from pathlib import Path
 
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
+from server.kv.shared_blocks import SharedBlocks
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel, ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
 from server.sessions.journal import Journal
 from server.sessions.leases import RedisLeases
+from server.sessions.shared import SharedRecords
 from server.sessions.store import SessionStore
 from server.settings import Settings, default_host_kv_budget, default_kv_budget
 
@@ -40,8 +42,14 @@ class ModelHost:
             host_budget = default_host_kv_budget(_likely_device(specs), _total_ram())
         self.tiers = TierStore(host_budget, settings.disk_kv_budget_bytes, state / "kv" if state else None)
         journal = Journal(state / "sessions" if state else None)
-        leases = RedisLeases(settings.shared_url, settings.shared_lease_s) if settings.shared_url else None
-        self.store = SessionStore(settings.session_ttl_s, journal=journal, forgetters=(self.tiers,), leases=leases)
+        leases, shared = None, None
+        if settings.shared_url:  # replicas: turns leased and records committed in Redis
+            leases = RedisLeases(settings.shared_url, settings.shared_lease_s)
+            shared = SharedRecords(settings.shared_url)
+            self.tiers.shared = SharedBlocks(settings.shared_url)
+        self.store = SessionStore(
+            settings.session_ttl_s, journal=journal, forgetters=(self.tiers,), leases=leases, shared=shared
+        )
         num_sessions, num_snapshots = self.store.restore(), self.tiers.scan()
         num_snapshots -= self.tiers.retain(self.store.session_keys())  # snapshots of sessions no record knows
         if state:
@@ -91,7 +99,11 @@ class ModelHost:
                 log.exception("saving the K/V of model %s failed; its sessions will recompute", engine.model_id)
         self.tiers.flush()
         self.tiers.close()
+        if self.tiers.shared is not None:
+            self.tiers.shared.close()
         self.store.leases.close()
+        if self.store.shared is not None:
+            self.store.shared.close()
         failed = self.tiers.totals().num_failed_writes - failed_before
         if self.settings.state_dir:
             log.info(

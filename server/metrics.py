@@ -7,6 +7,7 @@ read when /metrics is scraped, so they are never stale.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -127,3 +128,13 @@ class _StateCollector:
             shared = GaugeMetricFamily("kvserve:shared_store_up", "1 when the shared store (Redis) answers, else 0")
             shared.add_metric([], 1.0 if host.store.leases.is_up else 0.0)
             yield shared
+        if host.tiers.shared is not None:
+            blocks = CounterMetricFamily(
+                "kvserve:shared_kv_blocks",
+                "K/V blocks through the shared store: queued (to the writer), written, skipped (already there), read, "
+                "refused (bad checksum: recomputed), failed (Redis did not answer)",
+                labels=["outcome"],
+            )
+            for outcome, count in dataclasses.asdict(host.tiers.shared.stats).items():
+                blocks.add_metric([outcome.removeprefix("num_")], count)
+            yield blocks

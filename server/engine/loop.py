@@ -24,7 +24,7 @@ from server.kv import offload
 from server.kv.blocks import BlockManager
 from server.kv.offload import Offloader
 from server.models.loader import LoadedModel
-from server.sessions.errors import StateUnavailable
+from server.sessions.errors import SessionError
 from server.sessions.record import Session
 from server.sessions.store import SessionStore
 
@@ -177,10 +177,8 @@ class EngineLoop:
         """Read, on the loader thread, the snapshot of every LOADING sequence that has no read in flight."""
         for seq in self.scheduler.loading:
             if seq.loading is None and seq.request.kv_source is not None:
-                fetch = self.offloader.tiers.fetch
-                seq.loading = self._loader.submit(
-                    fetch, seq.request.kv_source, self.model_id, self.offloader.fingerprint
-                )
+                fetch = self.offloader.fetch
+                seq.loading = self._loader.submit(fetch, seq.request.kv_source, seq.request.prompt_ids)
                 seq.loading.add_done_callback(lambda _: self._inbox.put(WAKE))
 
     def _fail_step(self, rows: list[Row], exc: Exception) -> None:
@@ -236,7 +234,10 @@ class EngineLoop:
         if not self.scheduler.remove(seq):
             return  # already finished
         if seq.session is not None:  # the transcript is journaled here, before the client hears of the end
-            event = self._record(seq, seq.session, event if is_complete else None) or event
+            failed = self._record(seq, seq.session, event if is_complete else None)
+            if is_complete and failed is None:
+                self.offloader.share(seq.session.key, seq.token_ids[: seq.num_computed])  # to other replicas
+            event = failed or event
             if not self.store.is_live(seq.session.key, seq.session):  # deleted while it ran: none of it is served
                 self.offloader.forget(seq.session.key, seq.token_ids[: seq.num_computed])
         seq.handle.push(event)
@@ -253,7 +254,7 @@ class EngineLoop:
             turn, failed = None, RECORD_FAILED
         try:
             self.store.release(session, turn)  # releases the session even when journaling raises
-        except StateUnavailable as exc:  # 503: the client hears the turn did not happen, and it did not
+        except SessionError as exc:  # 503 or 409: the client hears the turn did not happen, and it did not
             log.error("request %s: %s", seq.request.request_id, exc.message)
             failed = Failed(exc.code, f"{exc.message}; the session is as before this turn")
         except Exception:

@@ -155,8 +155,9 @@ class Scheduler:
         return Admission(seq, shared=tuple(shared))
 
     def _holds_more(self, source: SessionKey, num_in_pool: int) -> bool:
-        """A host or disk snapshot of `source` has more tokens than the pool matched (read it to see if they fit)."""
-        return self.offloader.tiers.peek_tokens(source) > num_in_pool
+        """A host or disk snapshot of `source`, or the shared tier, may hold more tokens than the pool matched
+        (read it to see)."""
+        return self.offloader.can_restore(source, num_in_pool)
 
     def _restorable(self, seq: Sequence, num_in_pool: int) -> int:
         """Prompt tokens the sequence's snapshot holds beyond what the pool does (0: use the pool)."""

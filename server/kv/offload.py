@@ -15,6 +15,7 @@ import torch
 
 from server.kv.blocks import Block, BlockManager
 from server.kv.pool import KVPool
+from server.kv.shared_blocks import addresses
 from server.kv.snapshot import Snapshot
 from server.kv.tiers import TierStore
 from server.sessions.record import SessionKey
@@ -121,6 +122,53 @@ class Offloader:
             if self.tiers.pending_bytes() > MAX_PENDING_BYTES:
                 self.tiers.flush_pending()  # a large pool is not copied into host RAM all at once
         return saved
+
+    # -- the shared tier (Redis) ------------------------------------------------------------
+    def share(self, key: SessionKey, token_ids: list[int]) -> None:
+        """Behind a completed turn: copy the transcript's full blocks Redis is not known to hold, for the writer
+        thread to store. Best effort: a block not shared is only recomputed by another replica."""
+        shared = self.tiers.shared
+        if shared is None or key.is_bucket:
+            return
+        try:
+            blocks, num_tokens = self.manager.chain(key.tenant, token_ids)
+            bs = self.manager.block_size
+            names = addresses(self.fingerprint, key.tenant, token_ids[: num_tokens - num_tokens % bs], bs)
+            new = shared.unknown(names)
+            if not new:
+                return
+            k, v = self.pool.gather(self.pool.slots([blocks[i].block_id for i in new], len(new) * bs))
+            if self.pool.device.type == "cuda":
+                k, v = [t.cpu() for t in k], [t.cpu() for t in v]
+            cut = [slice(j * bs, (j + 1) * bs) for j in range(len(new))]  # views of the copy just made
+            shared.put([(names[i], [t[:, cut[j]] for t in k], [t[:, cut[j]] for t in v]) for j, i in enumerate(new)])
+        except Exception:
+            log.exception("sharing the K/V of session %s failed; other replicas recompute it", key.name)
+
+    def can_restore(self, key: SessionKey, num_in_pool: int) -> bool:
+        """Some tier below the pool may hold more of `key`'s transcript than the pool matched."""
+        if self.tiers.peek_tokens(key) > num_in_pool:
+            return True
+        if self.tiers.shared is None:
+            return False
+        bs = self.manager.block_size
+        return len(self.store.transcript(key)) // bs * bs > num_in_pool
+
+    def fetch(self, key: SessionKey, prompt_ids: list[int]) -> Snapshot | None:
+        """On the loader thread: the session's snapshot from host RAM or disk, else the leading blocks of its
+        prompt that Redis holds (checked), as a snapshot from the shared tier."""
+        snapshot = self.tiers.fetch(key, self.model_id, self.fingerprint)
+        shared = self.tiers.shared
+        if snapshot is not None or shared is None:
+            return snapshot
+        bs = self.manager.block_size
+        usable = prompt_ids[: (len(prompt_ids) - 1) // bs * bs]
+        read = shared.read(addresses(self.fingerprint, key.tenant, usable, bs), self.pool.layout, bs)
+        if read is None:
+            return None
+        k, v = read
+        num_tokens = k[0].shape[1]
+        return Snapshot(key, self.model_id, self.fingerprint, list(usable[:num_tokens]), k, v, origin="shared")
 
     def save(self, key: SessionKey, token_ids: list[int]) -> bool:
         """Best effort: a session whose copy fails (e.g. out of memory) just recomputes later."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.kv import snapshot as snap_io
+from server.kv.shared_blocks import SharedBlocks
 from server.kv.snapshot import Snapshot, SnapshotError, SnapshotMismatch
 from server.sessions.journal import Tombstones, state_path, sweep
 from server.sessions.record import SessionKey
@@ -58,6 +59,8 @@ class TierStore:
         self.host_budget_bytes = host_budget_bytes
         self.disk_budget_bytes = disk_budget_bytes if directory is not None else 0
         self.directory = directory
+        self.is_enabled = host_budget_bytes > 0 or directory is not None  # a snapshot has somewhere to go
+        self.shared: SharedBlocks | None = None  # replicas: blocks in Redis, under this process's tiers
         self._lock = threading.RLock()
         self._host: OrderedDict[SessionKey, Snapshot] = OrderedDict()
         self._writing: dict[SessionKey, Snapshot] = {}  # on their way to disk: still readable from memory
@@ -112,16 +115,11 @@ class TierStore:
     def put(self, snapshot: Snapshot) -> None:
         """A snapshot leaving the device: into host RAM, or on to disk when host RAM has no room."""
         with self._lock:
-            key = snapshot.key
-            if key in self._deleted:
+            if snapshot.key in self._deleted:
                 return  # the session was deleted while its K/V was being copied
-            self._host.pop(key, None)
-            self._host[key] = snapshot
+            self._host.pop(snapshot.key, None)
+            self._host[snapshot.key] = snapshot
             self._evict_host()
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.host_budget_bytes > 0 or self.directory is not None
 
     def covers(self, key: SessionKey, token_ids: list[int]) -> bool:
         """Some tier already holds K/V for all of `token_ids`: no need to save them again."""

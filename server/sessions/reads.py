@@ -19,7 +19,12 @@ class StoreReads:
     def _expire_locked(self) -> None:
         raise NotImplementedError
 
+    def _refresh(self, key: SessionKey) -> None:
+        """Bring this process's copy of `key` up to the shared store (when there is one)."""
+        raise NotImplementedError
+
     def info(self, key: SessionKey) -> SessionInfo | None:
+        self._refresh(key)
         with self._lock:
             self._expire_locked()
             session = self._sessions.get(key)
@@ -41,6 +46,7 @@ class StoreReads:
 
     def view(self, key: SessionKey) -> Session | None:
         """A detached copy (transcript, turns, messages, extras), for building a prompt."""
+        self._refresh(key)
         with self._lock:
             self._expire_locked()
             session = self._sessions.get(key)

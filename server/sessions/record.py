@@ -69,6 +69,7 @@ class Session:
     last_use: float = 0.0  # monotonic clock
     last_use_wall: float = 0.0  # unix time, for reporting and restarts
     is_in_use: bool = False
+    rev: int = 0  # how many times the record was written: the shared store commits a change only on top of this
 
     @property
     def num_turns(self) -> int:
@@ -146,6 +147,7 @@ class Session:
             "record": self.extras,
             "created_at": self.created_at,
             "last_used_at": self.last_use_wall,
+            "rev": self.rev,
         }
 
     @classmethod
@@ -168,6 +170,7 @@ class Session:
             created_at=float(data["created_at"]),
             last_use=now_mono - max(0.0, now_wall - last_wall),
             last_use_wall=last_wall,
+            rev=int(data.get("rev", 0)),
         )
 
 

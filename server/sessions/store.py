@@ -22,8 +22,9 @@ from server.sessions.errors import (
 from server.sessions.index import Forgotten, SessionIndex
 from server.sessions.journal import Journal
 from server.sessions.leases import LeaseBook, Leases, LocalLeases
-from server.sessions.reads import StoreReads
 from server.sessions.record import CompletedTurn, Session, SessionKey
+from server.sessions.shared import SharedRecords
+from server.sessions.sync import StoreSync
 
 log = logging.getLogger("kvserve.sessions")
 TurnHook = Callable[[dict[str, Any], CompletedTurn], None]  # updates a kind's extras when a turn completes
@@ -37,7 +38,7 @@ class Forgetter(Protocol):
     def drop(self, key: SessionKey) -> None: ...
 
 
-class SessionStore(StoreReads):
+class SessionStore(StoreSync):
     def __init__(
         self,
         ttl_s: float,
@@ -46,10 +47,12 @@ class SessionStore(StoreReads):
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         leases: Leases | None = None,
+        shared: SharedRecords | None = None,
     ) -> None:
         self.ttl_s = ttl_s
         self.journal = journal or Journal(None)
         self.leases = LeaseBook(leases or LocalLeases())  # across replicas: whose turn it is on a session
+        self.shared = shared  # across replicas: the records every replica reads and commits to
         self._forgetters = forgetters
         self._clock, self._wall = clock, wall_clock
         self._lock = threading.Lock()
@@ -69,7 +72,7 @@ class SessionStore(StoreReads):
             forgetter.revive(key)
         now, wall = self._clock(), self._wall()
         ttl = self.ttl_s if ttl_s is None else ttl_s
-        return Session(key, model_id, ttl_s=ttl, created_at=wall, last_use=now, last_use_wall=wall)
+        return Session(key, model_id, ttl_s=ttl, created_at=wall, last_use=now, last_use_wall=wall, rev=1)
 
     def create(self, key: SessionKey, model_id: str, ttl_s: float | None = None, **fields: Any) -> Session:
         """A new, idle session (POST /v1/sessions, forks, responses), journaled before it exists.
@@ -83,7 +86,7 @@ class SessionStore(StoreReads):
             session = self._new(key, model_id, ttl_s)
             for name, value in fields.items():
                 setattr(session, name, value)
-            self._save(key, session.to_record())
+            self._save(key, session.to_record(), expected_rev=0)
             self._insert(session)
         return session
 
@@ -109,13 +112,14 @@ class SessionStore(StoreReads):
     def acquire(self, key: SessionKey, model_id: str, is_chat: bool = False) -> Session | None:
         """Mark the session in use, creating (and journaling) it on first use. Buckets never raise: a busy bucket
         gives None. A session never switches between a chat and a completion transcript (SessionModeMismatch)."""
+        self._refresh(key)
         with self._lock:
             self._expire_locked()
             session = self._sessions.get(key)
             if session is None:
                 session = self._new(key, model_id, None)
                 if not key.is_bucket:
-                    self._save(key, session.to_record())
+                    self._save(key, session.to_record(), expected_rev=0)
                 self._insert(session)
             session.check_mode(is_chat)
             if (session.model_id != model_id or session.is_in_use) and key.is_bucket:
@@ -153,23 +157,27 @@ class SessionStore(StoreReads):
                     self._index.retranscribe(session, staged.transcript_ids)
                 if staged is not None:
                     session.transcript_ids, session.turns = staged.transcript_ids, staged.turns
-                    session.messages, session.extras = staged.messages, staged.extras
+                    session.messages, session.extras, session.rev = staged.messages, staged.extras, staged.rev
                 session.is_in_use = False
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
                 if is_live:
                     self._index.touch(session)
+            if staged is None and self.shared is not None and not session.key.is_bucket:
+                self.shared.touch(session.key, session.ttl_s)
             self.leases.give_back(session.key)  # after the turn is journaled
 
     def _journal_turn(self, session: Session, turn: CompletedTurn) -> Session:
         """The session with `turn` applied, written to the journal; raises with nothing changed."""
         with self._lock:
             staged = session.with_turn(turn, self._turn_hooks.get(session.key.kind), self._wall())
+            staged.rev = session.rev + 1
             if self._sessions.get(session.key) is session:  # deleted meanwhile: its state belongs to nobody
-                self._save(session.key, staged.to_record())
+                self._save(session.key, staged.to_record(), expected_rev=session.rev)
         return staged
 
     # -- changing ---------------------------------------------------------------------
     def rewind(self, key: SessionKey, num_turns: int) -> Session:
+        self._refresh(key)
         with self._lock:
             session = self._sessions.get(key)
             if session is None:
@@ -179,9 +187,10 @@ class SessionStore(StoreReads):
             session.check_turn(num_turns)
             staged = session.copy()
             staged.cut(num_turns)
-            self._save(key, staged.to_record())
+            staged.rev = session.rev + 1
+            self._save(key, staged.to_record(), expected_rev=session.rev)
             self._index.retranscribe(session, staged.transcript_ids)
-            session.turns, session.messages = staged.turns, staged.messages
+            session.turns, session.messages, session.rev = staged.turns, staged.messages, staged.rev
             session.last_use, session.last_use_wall = self._clock(), self._wall()
             self._index.touch(session)
         return session
@@ -189,10 +198,13 @@ class SessionStore(StoreReads):
     def delete(self, key: SessionKey) -> bool:
         """Forget a session everywhere; its journal record goes first (StateUnavailable: nothing forgotten).
         One in use is detached: its request finishes, its state is then dropped."""
+        self._refresh(key)
         with self._lock:
             session = self._sessions.get(key)
             if session is None:
                 return False
+            if self.shared is not None and not key.is_bucket:
+                self.shared.delete(key, session.ttl_s)  # every replica's copy is stale from now on
             if not key.is_bucket:
                 try:
                     self.journal.delete(key)
@@ -212,7 +224,11 @@ class SessionStore(StoreReads):
             return self._forgotten.take(model_id)
 
     # -- internals (lock held) --------------------------------------------------------
-    def _save(self, key: SessionKey, record: dict[str, Any]) -> None:
+    def _save(self, key: SessionKey, record: dict[str, Any], expected_rev: int) -> None:
+        """The shared store first (it refuses a change on top of a revision another replica moved on from), then
+        the journal. Raises SessionBusy, SharedStoreUnavailable or StateUnavailable, with nothing applied."""
+        if self.shared is not None and not key.is_bucket:
+            self.shared.save(key, record, expected_rev)
         try:
             self.journal.save(key, record)
         except OSError as exc:

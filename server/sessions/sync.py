@@ -1,0 +1,87 @@
+"""Keeping this replica's copy of a session in step with the records other replicas commit (torch-free).
+
+`SessionStore` (store.py) inherits this; with no shared store configured every method here does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from server.sessions.errors import SessionBusy
+from server.sessions.journal import Journal
+from server.sessions.reads import StoreReads
+from server.sessions.record import Session, SessionKey
+from server.sessions.shared import GONE, SharedRecords
+
+log = logging.getLogger("kvserve.sessions")
+
+
+class StoreSync(StoreReads):
+    shared: SharedRecords | None
+    journal: Journal
+    _clock: Callable[[], float]  # monotonic
+    _wall: Callable[[], float]  # unix time
+
+    def _insert(self, session: Session) -> None:
+        raise NotImplementedError
+
+    def _remove(self, session: Session) -> None:
+        raise NotImplementedError
+
+    def _drop_tiers(self, key: SessionKey) -> None:
+        raise NotImplementedError
+
+    def _refresh(self, key: SessionKey) -> None:
+        """Bring this replica's copy of `key` up to the shared record: another replica may have created it,
+        moved it on or deleted it. One in use here is left alone (its turn commits on top of the revision it
+        read, or is refused). Raises SharedStoreUnavailable."""
+        if self.shared is None or key.is_bucket:
+            return
+        found = self.shared.load(key)
+        lost = None
+        with self._lock:
+            local = self._sessions.get(key)
+            if local is not None and local.is_in_use:
+                return
+            if found == GONE:
+                if local is not None:
+                    self._forget_deleted(local)
+                return
+            if found is None:  # never shared, or Redis lost it (flushed, evicted): this copy is the best there is
+                lost = local.to_record() if local is not None else None
+            elif isinstance(found, dict):
+                self._adopt(key, found, local)
+        if lost is not None:
+            with contextlib.suppress(SessionBusy):  # another replica wrote it meanwhile: the next refresh reads it
+                self.shared.save(key, lost, expected_rev=0)
+
+    def _adopt(self, key: SessionKey, record: dict[str, Any], local: Session | None) -> None:
+        try:
+            found = Session.from_record(record, self._clock(), self._wall())
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("the shared record of %s is unreadable, this replica's copy is kept: %s", key.name, exc)
+            return
+        if found.key != key or (local is not None and local.rev >= found.rev):
+            return
+        if local is None:
+            self._insert(found)
+        else:
+            self._index.retranscribe(local, found.transcript_ids)
+            local.transcript_ids, local.turns, local.messages = found.transcript_ids, found.turns, found.messages
+            local.extras, local.ttl_s, local.parent, local.rev = found.extras, found.ttl_s, found.parent, found.rev
+        try:
+            self.journal.save(key, record)
+        except OSError:
+            log.warning("the shared record of %s was not journaled here; the shared store keeps it", key.name)
+
+    def _forget_deleted(self, session: Session) -> None:
+        """Another replica deleted it: this copy goes, with its journal record and K/V snapshots."""
+        try:
+            self.journal.delete(session.key)
+        except OSError:
+            log.exception("the record of deleted session %s could not be removed", session.key.name)
+        self._remove(session)
+        self._drop_tiers(session.key)
