@@ -30,6 +30,7 @@ log = logging.getLogger("kvserve.shared")
 PREFIX = "kvserve:blk:"
 KNOWN_LIMIT = 1 << 20  # addresses remembered as already in Redis
 MAX_QUEUED = 256  # write jobs; past this a turn's blocks are not shared (it stays correct, only colder)
+CHUNK = 8  # blocks per round trip: one reply never carries more than a few MB
 Block = tuple[str, list[torch.Tensor], list[torch.Tensor]]  # address, per-layer K and V [kv_heads, block, head_dim]
 
 
@@ -54,7 +55,7 @@ class SharedStats:
 
 
 class SharedBlocks:
-    def __init__(self, url: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
         import redis  # only with a shared store configured
 
         self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
@@ -99,17 +100,20 @@ class SharedBlocks:
                 self._queue.task_done()
 
     def _write(self, job: list[Block]) -> None:
+        """The blocks Redis lacks, in order, a few a round trip: a replica that dies part way leaves a usable
+        leading run, and no reply carries more than a few MB."""
         pipe = self.client.pipeline(transaction=False)
         for name, _, _ in job:
             pipe.exists(name)
-        held = pipe.execute()
-        pipe = self.client.pipeline(transaction=False)
-        for (name, k, v), is_held in zip(job, held, strict=True):
-            if not is_held:
+        missing = [block for block, held in zip(job, pipe.execute(), strict=True) if not held]
+        self.stats.num_skipped += len(job) - len(missing)
+        for start in range(0, len(missing), CHUNK):
+            pipe = self.client.pipeline(transaction=False)
+            for name, k, v in missing[start : start + CHUNK]:
                 pipe.set(name, _encode(k, v), nx=True)
-        written = sum(1 for ok in pipe.execute() if ok)
-        self.stats.num_written += written
-        self.stats.num_skipped += len(job) - written
+            written = sum(1 for ok in pipe.execute() if ok)
+            self.stats.num_written += written
+            self.stats.num_skipped += len(missing[start : start + CHUNK]) - written
         self._remember([name for name, _, _ in job])
 
     def _remember(self, names: list[str]) -> None:
@@ -126,19 +130,22 @@ class SharedBlocks:
         (None: not even the first). Never raises: a store that does not answer means recompute."""
         if not names:
             return None
-        try:
-            values = self.client.mget(names)
-        except self._errors:
-            self.stats.num_failed += 1
-            log.warning("K/V blocks not read: the shared store did not answer; they are recomputed")
-            return None
-        blocks = []
-        for value in values:
-            decoded = None if value is None else _decode(value, layout, block_size)
-            if decoded is None:
-                self.stats.num_refused += value is not None
+        blocks: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        for start in range(0, len(names), CHUNK):
+            try:
+                values = self.client.mget(names[start : start + CHUNK])
+            except self._errors:
+                self.stats.num_failed += 1
+                log.warning("K/V blocks not read: the shared store did not answer; they are recomputed")
                 break
-            blocks.append(decoded)
+            for value in values:
+                decoded = None if value is None else _decode(value, layout, block_size)
+                if decoded is None:
+                    self.stats.num_refused += value is not None
+                    break
+                blocks.append(decoded)
+            if len(blocks) < start + len(values):
+                break
         if not blocks:
             return None
         self.stats.num_read += len(blocks)
