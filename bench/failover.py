@@ -276,7 +276,12 @@ def report(s: dict, args) -> str:
         f"Medians: a device hit {s['device_ttft_ms']:.0f} ms, a turn restored from Redis {s['shared_ttft_ms']:.0f} ms "
         f"({s['num_restored']} turns, {s['shared_cached']:.0f} of {s['shared_prompt']:.0f} prompt tokens restored), "
         f"the same prompts recomputed {s['recompute_ttft_ms']:.0f} ms. Redis held {s['redis_bytes'] / 2**20:.1f} MiB "
-        f"of K/V blocks for {s['distinct_bytes'] / 2**20:.1f} MiB of distinct tokens (only full blocks are stored).",
+        f"of K/V blocks for {s['distinct_bytes'] / 2**20:.1f} MiB of distinct tokens (only full blocks are stored). "
+        "float32, not the bf16 this CPU would pick: in bf16 a prompt computed in other chunks (a cached system "
+        "prompt, other batch neighbours) can flip a greedy token by itself, failover or not (seen: 3 of 18 turns "
+        "of one session in a bf16 trial run). The quiet stretch after the kill: turns that were in flight on the "
+        "dead replica answer 409 until its leases expire (`KVSERVE_SHARED_LEASE_S`, 15 s), and each round of turns "
+        "waits for its last conversation.",
         "",
         "![failover](failover.png)",
     ]

@@ -1,0 +1,39 @@
+"""Without KVSERVE_SHARED_URL nothing of the scale-out runs: a session's turns, listing, fork and delete
+work as before and Redis is never even imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from fastapi.testclient import TestClient
+    from server.app import create_app
+    from server.settings import Settings
+    from tests.tiny import save_tiny
+
+    spec = save_tiny(Path(sys.argv[1]))
+    app = create_app(Settings(state_dir=Path(sys.argv[1]) / "state"), specs=[spec])
+    with TestClient(app) as client:
+        while client.get("/ready").status_code != 200:
+            pass
+        body = {"model": spec.id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        for _ in range(2):
+            assert client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": "s"}).status_code == 200
+        assert client.get("/v1/sessions/s").json()["turns"] == 2
+        assert client.post("/v1/sessions/s/fork", json={}).status_code == 201
+        assert client.delete("/v1/sessions/s").status_code == 200
+        assert app.state.host.tiers.shared is None and app.state.host.store.shared is None
+    print("redis" in sys.modules)
+    """
+)
+
+
+def test_one_process_never_touches_redis(tmp_path):
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
