@@ -25,7 +25,7 @@ from server.kv.offload import Offloader
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel
 from server.sessions.index import Reach
-from server.sessions.record import SessionKey
+from server.sessions.record import Session, SessionKey
 from server.sessions.store import SessionStore
 
 log = logging.getLogger("kvserve.engine")
@@ -83,6 +83,32 @@ class Engine:
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Lock the request's session and queue it. Raises at once what can be known at once."""
+        self._check(request)
+        is_chat = request.messages is not None
+        session = self.store.acquire(request.session, self.model_id, is_chat) if request.session else None
+        return self._queue(request, session)
+
+    async def submit_async(self, request: GenerationRequest) -> RequestHandle:
+        """`submit`, with the session locked on a worker thread when that needs the shared store (Redis round
+        trips stay off the event loop). A caller cancelled meanwhile leaves the session released."""
+        if request.session is None or request.session.is_bucket or not self.store.is_shared:
+            return self.submit(request)
+        self._check(request)
+        is_chat = request.messages is not None
+        locking = asyncio.ensure_future(asyncio.to_thread(self.store.acquire, request.session, self.model_id, is_chat))
+        try:
+            session = await asyncio.shield(locking)
+        except asyncio.CancelledError:
+            locking.add_done_callback(self._release_unused)
+            raise
+        return self._queue(request, session)
+
+    def _release_unused(self, locking: asyncio.Future[Session | None]) -> None:
+        session = None if locking.cancelled() or locking.exception() is not None else locking.result()
+        if session is not None:
+            self.store.release(session)
+
+    def _check(self, request: GenerationRequest) -> None:
         if self._inbox.is_closed:
             raise EngineStopped("the server is shutting down")
         num_tokens = len(request.prompt_ids) + request.params.max_tokens
@@ -90,8 +116,8 @@ class Engine:
             raise TooLarge(f"{num_tokens} tokens need more K/V memory than the pool holds")
         if self.num_queued >= self.config.max_queue:
             raise QueueFull(f"{self.config.max_queue} requests are already waiting; retry shortly")
-        is_chat = request.messages is not None
-        session = self.store.acquire(request.session, self.model_id, is_chat) if request.session else None
+
+    def _queue(self, request: GenerationRequest, session: Session | None) -> RequestHandle:
         handle = RequestHandle(request.request_id, asyncio.get_running_loop(), request.max_unread_events)
         self._num_submitted += 1  # before the engine thread can answer it
         self._inbox.put(Submission(request, session, handle))

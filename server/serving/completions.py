@@ -57,7 +57,7 @@ class Completions:
     async def chat(self, req: ChatCompletionRequest, http: Request, tenant: str) -> Any:
         engine = self.serving.engine(req.model)
         key = session_key(req, http, tenant)
-        view = self._view(key, engine)
+        view = await self._view(key, engine)
         messages = with_session_system(chat_messages(req), view)
         check_text_size(engine.loaded, [m["content"] for m in messages], "messages")
         ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, view)  # off the loop
@@ -65,9 +65,10 @@ class Completions:
         ask = Ask(engine, tenant, key, ids, messages)
         return await self._run(req, http, ask, req.output_limit(), num_logprobs)
 
-    def _view(self, key: SessionKey | None, engine: Engine) -> Session | None:
+    async def _view(self, key: SessionKey | None, engine: Engine) -> Session | None:
         """The named session as it is (None: no session, a bucket, or another model's: admission says so)."""
-        view = self.serving.store.view(key) if key is not None and not key.is_bucket else None
+        is_named = key is not None and not key.is_bucket
+        view = await self.serving.off_loop(self.serving.store.view, key) if is_named else None
         return view if view is not None and view.model_id == engine.model_id else None
 
     async def _run(

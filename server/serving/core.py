@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -27,6 +28,8 @@ from server.sessions.record import SessionKey
 log = logging.getLogger("kvserve.requests")
 SESSION_HEADER = "X-Session-ID"
 
+T = TypeVar("T")
+
 
 class Serving:
     def __init__(self, host: ModelHost, metrics: Metrics) -> None:
@@ -34,6 +37,13 @@ class Serving:
         self.settings = host.settings
         self.store = host.store
         self.metrics = metrics
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A session-store call, on a worker thread when the store is shared (it may wait on Redis), inline
+        otherwise (one process: memory only, no thread hop)."""
+        if self.store.is_shared:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
 
     def engine(self, model: str) -> Engine:
         state = self.host.states.get(model)
@@ -77,7 +87,7 @@ class Serving:
         if self.host.is_draining:
             raise ApiError(503, "shutting_down", "the server is shutting down; retry on another instance")
         try:
-            handle = engine.submit(gen)
+            handle = await engine.submit_async(gen)
         except Refused as exc:  # the engine's (queue full, too large) or the session store's (busy, other model)
             raise ApiError.of(exc.code, exc.message) from exc
         watcher = asyncio.create_task(cancel_on_disconnect(http, handle)) if http is not None else None

@@ -85,10 +85,10 @@ class Responses:
         self.store.on_turn(KIND, record_turn)
         drop_unfinished(self.store)
 
-    def _parent(self, req: ResponseRequest, tenant: str, model_id: str) -> Session | None:
+    async def _parent(self, req: ResponseRequest, tenant: str, model_id: str) -> Session | None:
         if req.previous_response_id is None:
             return None
-        parent = self.store.view(SessionKey(tenant, req.previous_response_id, KIND))
+        parent = await self.serving.off_loop(self.store.view, SessionKey(tenant, req.previous_response_id, KIND))
         if parent is None or parent.extras.get("status") not in ("completed", "incomplete"):
             raise not_found(req.previous_response_id, "previous_response_id")
         if parent.model_id != model_id:
@@ -107,7 +107,7 @@ class Responses:
     async def create(self, req: ResponseRequest, http: Request, tenant: str) -> Any:
         serving, s = self.serving, self.settings
         engine = serving.engine(req.model)
-        parent = self._parent(req, tenant, engine.model_id)
+        parent = await self._parent(req, tenant, engine.model_id)
         messages = self._messages(req, parent)
         check_text_size(engine.loaded, [m["content"] for m in messages], "input")
         prompt_ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, parent)
@@ -120,7 +120,10 @@ class Responses:
         if key is not None:
             serving.check_quota(key, len(prompt_ids) + budget, engine)  # before the record exists
             ttl = s.response_retention_s
-            self.store.create(key, engine.model_id, ttl, parent=req.previous_response_id, extras=dict(record))
+            create = self.store.create
+            await serving.off_loop(
+                create, key, engine.model_id, ttl, parent=req.previous_response_id, extras=dict(record)
+            )
         gen = serving.request(
             request_id=response_id,
             prompt_ids=prompt_ids,

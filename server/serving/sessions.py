@@ -59,7 +59,7 @@ class Sessions:
         key = SessionKey(tenant, new_session_id())
         self.serving.check_quota(key, 0, engine)
         if body.system is None:
-            self.store.create(key, engine.model_id, body.ttl_s)
+            await self.serving.off_loop(self.store.create, key, engine.model_id, body.ttl_s)
             return await self.describe(key)
         loaded = engine.loaded
         messages = [{"role": "system", "content": body.system}]
@@ -69,7 +69,7 @@ class Sessions:
             message = f"the system prompt has {len(ids)} tokens; this model's context is {loaded.max_context}"
             raise ApiError(400, "context_length_exceeded", message, "system")
         self.serving.check_quota(key, len(ids), engine)  # the system prompt's K/V counts toward the tenant's
-        self.store.create(key, engine.model_id, body.ttl_s)
+        await self.serving.off_loop(self.store.create, key, engine.model_id, body.ttl_s)
         try:
             await self._prefill(engine, key, ids, messages)
         except BaseException:
@@ -96,7 +96,7 @@ class Sessions:
             handle.cancel()  # a no-op once finished; stops the prefill when this request is cancelled
 
     async def describe(self, key: SessionKey) -> dict[str, Any]:
-        info = self.store.info(key)
+        info = await self.serving.off_loop(self.store.info, key)
         if info is None or info.key.kind != key.kind:
             raise not_found(key.name)
         (device,) = await self._residency([info], with_sharing=True)
@@ -171,7 +171,7 @@ class Sessions:
 
     async def fork(self, key: SessionKey, turn: int | None, ttl_s: float | None) -> dict[str, Any]:
         """A new session holding `key`'s first turns; its K/V is found by prefix (blocks shared with the parent)."""
-        parent = self.store.view(key)
+        parent = await self.serving.off_loop(self.store.view, key)
         if parent is None:
             raise not_found(key.name)
         new_key = SessionKey(key.tenant, new_session_id())
@@ -180,11 +180,11 @@ class Sessions:
             self.serving.check_quota(new_key, len(parent.transcript_ids), engine)
         fields = _refusing(lambda: parent.branch(parent.num_turns if turn is None else turn), key)
         ttl = parent.ttl_s if ttl_s is None else ttl_s
-        _refusing(lambda: self.store.create(new_key, parent.model_id, ttl, **fields), key)
+        await self.serving.off_loop(_refusing, lambda: self.store.create(new_key, parent.model_id, ttl, **fields), key)
         return await self.describe(new_key)
 
     async def rewind(self, key: SessionKey, turn: int) -> dict[str, Any]:
-        _refusing(lambda: self.store.rewind(key, turn), key)
+        await self.serving.off_loop(_refusing, lambda: self.store.rewind(key, turn), key)
         return await self.describe(key)
 
     def delete(self, key: SessionKey) -> dict[str, Any]:

@@ -53,6 +53,7 @@ class SessionStore(StoreSync):
         self.journal = journal or Journal(None)
         self.leases = LeaseBook(leases or LocalLeases())  # across replicas: whose turn it is on a session
         self.shared = shared  # across replicas: the records every replica reads and commits to
+        self.is_shared = shared is not None  # then reads and changes may wait on the network: call off the loop
         self._forgetters = forgetters
         self._clock, self._wall = clock, wall_clock
         self._lock = threading.Lock()

@@ -16,9 +16,12 @@ from server.sessions.leases import LocalLeases
 from server.sessions.record import CompletedTurn, SessionKey, Usage
 from server.sessions.shared import SharedRecords
 from server.sessions.store import SessionStore
+from server.settings import Settings
 from tests.e2e.cluster import CHAT, Redis, replica
 from tests.e2e.server import _kill_leftovers  # noqa: F401 - the fixture is autouse
 from tests.helpers import wait_until
+from tests.http.conftest import serve_live
+from tests.http.test_responsiveness import Held, health_while_held
 
 pytestmark = pytest.mark.e2e
 BLOCK_SIZE = 16
@@ -174,3 +177,22 @@ def _shared_blocks(base: str, outcome: str) -> float:
         if line.startswith(f'kvserve:shared_kv_blocks_total{{outcome="{outcome}"}}'):
             return float(line.split()[-1])
     raise AssertionError(f"no kvserve:shared_kv_blocks_total for {outcome}")
+
+
+@pytest.mark.parametrize("call", ["record", "lease"])
+async def test_waiting_on_redis_never_holds_the_event_loop(tiny_spec, tmp_path, monkeypatch, call):
+    """A session turn's Redis round trips (reading the record, taking the lease) run on worker threads: held
+    mid-way, /health still answers (a hung Redis must not freeze every other request)."""
+    store = Redis(tmp_path)
+    with serve_live([tiny_spec], Settings(shared_url=store.url, state_dir=None)) as (base, engine):
+        target = engine.store.shared if call == "record" else engine.store.leases.leases
+        held = Held(target.load if call == "record" else target.take)
+        monkeypatch.setattr(target, "load" if call == "record" else "take", held)
+
+        async def send() -> httpx.Response:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+                body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+                return await client.post(CHAT, json=body, headers={"X-Session-ID": "held"})
+
+        r = await health_while_held(base, held, send())
+        assert r.status_code == 200, r.text

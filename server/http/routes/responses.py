@@ -23,7 +23,7 @@ async def create_response(
 
 
 @router.get("/v1/responses/{response_id}", summary="A stored response")
-async def get_response(
+def get_response(  # a plain def: FastAPI runs it on a worker thread (the store may wait on Redis)
     response_id: str = ResponsePath,
     responses: Responses = Depends(deps.responses),
     tenant: str = Depends(deps.tenant),
@@ -32,7 +32,7 @@ async def get_response(
 
 
 @router.delete("/v1/responses/{response_id}", summary="Delete a stored response and its K/V snapshots")
-async def delete_response(
+def delete_response(  # a plain def: FastAPI runs it on a worker thread (the store may wait on Redis)
     response_id: str = ResponsePath,
     responses: Responses = Depends(deps.responses),
     tenant: str = Depends(deps.tenant),

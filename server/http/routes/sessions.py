@@ -79,7 +79,7 @@ async def get_session(
     summary="Forget a session: transcript and K/V on every tier",
     responses=_example(200, DELETED_EXAMPLE),
 )
-async def delete_session(
+def delete_session(  # a plain def: FastAPI runs it on a worker thread (the store may wait on Redis)
     session_id: str = SessionPath,
     sessions: Sessions = Depends(deps.sessions),
     tenant: str = Depends(deps.tenant),
