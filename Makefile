@@ -39,7 +39,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/hadolint Dockerfile
+	$(BIN)/hadolint Dockerfile docker/scale/Dockerfile.nginx docker/scale/Dockerfile.redis
 
 format: install
 	$(BIN)/ruff check --fix .

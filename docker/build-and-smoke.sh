@@ -14,7 +14,6 @@ IMAGE=${IMAGE:-localhost/kvserve:cpu-smoke}
 NAME=kvserve-smoke-$$
 PORT=${PORT:-18000}
 STOP_TIMEOUT=${STOP_TIMEOUT:-30}  # above KVSERVE_SHUTDOWN_GRACE_S (10 s by default)
-BASE_TAG=docker.io/library/debian:bookworm-slim
 PY=${PY:-python3}
 MODEL=smollm2-135m-instruct
 T0=$(date +%s)
@@ -28,49 +27,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-step "host tools (podman, runc, debootstrap, catatonit)"
-if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v debootstrap >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap catatonit >/dev/null
-fi
-mkdir -p "$SCRATCH"
-nofile=$(ulimit -Hn)
-nproc=$(ulimit -Hu)
-if [ "$nproc" = unlimited ] || [ "$nproc" -gt 32768 ]; then nproc=32768; fi
-cat >"$SCRATCH/containers.conf" <<EOF
-[containers]
-default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
-[engine]
-runtime = "runc"
-EOF
-export CONTAINERS_CONF="$SCRATCH/containers.conf"
-podman --version
-
-step "base image $BASE_TAG (debootstrap; made once)"
-if ! podman image exists "$BASE_TAG"; then
-    rootfs="$SCRATCH/rootfs"
-    rm -rf "$rootfs"
-    mirror=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null \
-        | grep -oE 'https?://[^ ]+/debian/?$' | head -n1 || true)
-    debootstrap --variant=minbase --include=ca-certificates bookworm "$rootfs" "${mirror:-http://deb.debian.org/debian}" >/dev/null
-    # Build steps reach PyPI through this host's intercepting proxy: trust its CAs inside the base.
-    cp /usr/local/share/ca-certificates/*.crt "$rootfs/usr/local/share/ca-certificates/" 2>/dev/null || true
-    chroot "$rootfs" update-ca-certificates >/dev/null
-    printf 'deb %s bookworm main\ndeb %s bookworm-updates main\ndeb http://deb.debian.org/debian-security bookworm-security main\n' \
-        "${mirror:-http://deb.debian.org/debian}" "${mirror:-http://deb.debian.org/debian}" >"$rootfs/etc/apt/sources.list"
-    tar -C "$rootfs" -c . | podman import - localhost/debian-base:bookworm >/dev/null
-    podman tag localhost/debian-base:bookworm "$BASE_TAG"
-    rm -rf "$rootfs"
-fi
-
-step "wheelhouse: this machine's CPU torch wheel"
-find "$ROOT/docker/wheelhouse" -name '*.whl' -delete
-"$PY" -m pip download --quiet --no-deps --only-binary :all: torch==2.13.0 -d "$ROOT/docker/wheelhouse"
-ls -1 "$ROOT/docker/wheelhouse"/*.whl
-
-step "podman build (BASE=cpu)"
-podman build --format docker --build-arg BASE=cpu -t "$IMAGE" "$ROOT"
+# shellcheck source=docker/podman-lib.sh
+source "$ROOT/docker/podman-lib.sh"
+podman_setup
+podman_base
+podman_build_kvserve "$IMAGE"
 size=$(podman image inspect "$IMAGE" --format '{{.Size}}')
-echo "image $IMAGE: $((size / 1000000)) MB"
 
 step "run with the port published on 127.0.0.1:$PORT"
 podman run -d --init --name "$NAME" -p "127.0.0.1:$PORT:8000" --stop-timeout "$STOP_TIMEOUT" \
