@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from server.sessions.errors import (
     SessionBusy,
@@ -24,18 +24,10 @@ from server.sessions.journal import Journal
 from server.sessions.leases import LeaseBook, Leases, LocalLeases
 from server.sessions.record import CompletedTurn, Session, SessionKey
 from server.sessions.shared import SharedRecords
-from server.sessions.sync import StoreSync
+from server.sessions.sync import Forgetter, StoreSync
 
 log = logging.getLogger("kvserve.sessions")
 TurnHook = Callable[[dict[str, Any], CompletedTurn], None]  # updates a kind's extras when a turn completes
-
-
-class Forgetter(Protocol):
-    """Something that keeps per-session state elsewhere (the K/V tiers)."""
-
-    def revive(self, key: SessionKey) -> None: ...
-
-    def drop(self, key: SessionKey) -> None: ...
 
 
 class SessionStore(StoreSync):

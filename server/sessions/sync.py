@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from server.sessions.errors import SessionBusy
 from server.sessions.journal import Journal
@@ -19,11 +19,20 @@ from server.sessions.shared import GONE, SharedRecords
 log = logging.getLogger("kvserve.sessions")
 
 
+class Forgetter(Protocol):
+    """Something that keeps per-session state elsewhere (the K/V tiers)."""
+
+    def revive(self, key: SessionKey) -> None: ...
+
+    def drop(self, key: SessionKey) -> None: ...
+
+
 class StoreSync(StoreReads):
     shared: SharedRecords | None
     journal: Journal
     _clock: Callable[[], float]  # monotonic
     _wall: Callable[[], float]  # unix time
+    _forgetters: tuple[Forgetter, ...]
 
     def _insert(self, session: Session) -> None:
         raise NotImplementedError
@@ -67,6 +76,9 @@ class StoreSync(StoreReads):
         if found.key != key or (local is not None and local.rev >= found.rev):
             return
         if local is None:
+            self.journal.revive(key)  # this replica may have deleted the name before; another one reused it
+            for forgetter in self._forgetters:
+                forgetter.revive(key)
             self._insert(found)
         else:
             self._index.retranscribe(local, found.transcript_ids)

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from server.sessions.errors import SessionBusy
+from server.sessions.journal import Journal
 from server.sessions.leases import LocalLeases
 from server.sessions.record import CompletedTurn, SessionKey, Usage
 from server.sessions.shared import SharedRecords
@@ -196,3 +197,17 @@ async def test_waiting_on_redis_never_holds_the_event_loop(tiny_spec, tmp_path, 
 
         r = await health_while_held(base, held, send())
         assert r.status_code == 200, r.text
+
+
+def test_a_name_deleted_here_and_reused_elsewhere_is_journaled_here_again(tmp_path):
+    server = Redis(tmp_path)
+    a, b = (
+        SessionStore(3600, Journal(tmp_path / n), leases=LocalLeases(), shared=SharedRecords(server.url)) for n in "ab"
+    )
+    key = SessionKey("t", "reused")
+    a.create(key, "m")
+    assert a.delete(key)
+    assert b.view(key) is None  # the tombstone: b never adopts a deleted session
+    b.create(key, "m")  # a new session under the same name
+    assert a.view(key) is not None  # a reads it from Redis...
+    assert a.journal.path_for(key).exists()  # ...and journals it, though it deleted that name before
