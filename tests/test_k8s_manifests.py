@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 K8S = Path(__file__).resolve().parents[1] / "docker" / "k8s"
@@ -46,6 +47,12 @@ def test_the_manifests_wire_affinity_probes_drain_and_a_bounded_redis():
     port = redis_service["spec"]["ports"][0]["port"]
     assert env["KVSERVE_SHARED_URL"]["value"] == f"redis://kvserve-redis:{port}/0"
     assert env["KVSERVE_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    # One dtype for every replica (their K/V must match to be shared): a pinned models.toml from a ConfigMap.
+    mount = next(m for m in container["volumeMounts"] if env["KVSERVE_MODELS_FILE"]["value"].startswith(m["mountPath"]))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    models = tomllib.loads(docs[("ConfigMap", volume["configMap"]["name"])]["data"]["models.toml"])["models"]
+    assert models
+    assert all(m["dtype"] != "auto" for m in models)
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert "preStop" in container["lifecycle"]
