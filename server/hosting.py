@@ -129,6 +129,8 @@ class ModelHost:
             engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded))
             engine.start()
             self.engines[state.spec.id] = engine
+            if self.tiers.shared is not None:
+                self.tiers.shared.announce(state.spec.id, engine.fingerprint)
             state.status = "ready"
             log.info("model %s ready on %s (%s)", state.spec.id, loaded.device, loaded.dtype)
 

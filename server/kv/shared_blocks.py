@@ -67,6 +67,25 @@ class SharedBlocks:
         self._writer = threading.Thread(target=self._write_loop, name="kv-shared-writer", daemon=True)
         self._writer.start()
 
+    def announce(self, model_id: str, fingerprint: str) -> None:
+        """Say which K/V layout this replica serves `model_id` with; warn when another replica said another.
+        Replicas whose layouts differ (a dtype `auto` settled differently, other weights under one id) share
+        no block: each is correct alone, but every failover recomputes."""
+        name = f"kvserve:layout:{model_id}"
+        try:
+            held = None if self.client.set(name, fingerprint, nx=True) else self.client.get(name)
+        except self._errors:
+            log.warning("the shared store did not answer: model %s's K/V layout was not compared", model_id)
+            return
+        if held is not None and held.decode() != fingerprint:
+            log.warning(
+                "model %s: this replica's K/V layout (%s) differs from another replica's (%s): they share no "
+                "K/V blocks; pin the dtype in models.toml on every replica",
+                model_id,
+                fingerprint,
+                held.decode(),
+            )
+
     # -- writing (the engine copies, the writer stores) ----------------------------------
     def unknown(self, names: list[str]) -> list[int]:
         """Indices of the addresses not known to be in Redis already (to copy and hand to `put`)."""
