@@ -102,9 +102,6 @@ class SharedBlocks:
         except queue.Full:
             log.warning("the shared K/V writer is behind: %d blocks of this turn are not shared", len(blocks))
 
-    def flush(self) -> None:
-        self._queue.join()
-
     def _write_loop(self) -> None:
         while True:
             job = self._queue.get()
@@ -154,7 +151,7 @@ class SharedBlocks:
             try:
                 values = self.client.mget(names[start : start + CHUNK])
             except self._errors:
-                self.stats.num_failed += 1
+                self.stats.num_failed += len(names) - len(blocks)
                 log.warning("K/V blocks not read: the shared store did not answer; they are recomputed")
                 break
             for value in values:

@@ -56,8 +56,7 @@ class SharedRecords:
     def save(self, key: SessionKey, record: dict[str, Any], expected_rev: int) -> None:
         """Commit `record` (its `rev`) only if the shared copy is still at `expected_rev` (0: none). Raises
         SessionBusy when another replica moved it on, SharedStoreUnavailable when Redis does not answer."""
-        ttl_ms = max(1, int(float(record["ttl_s"]) * 1000))
-        args = [expected_rev, record["rev"], json.dumps(record, separators=(",", ":")), ttl_ms]
+        args = [expected_rev, record["rev"], json.dumps(record, separators=(",", ":")), _ms(float(record["ttl_s"]))]
         with self._answering():
             answer = self._save(keys=[_record(key), _tombstone(key)], args=args)
         if answer != b"ok":
@@ -68,7 +67,7 @@ class SharedRecords:
     def touch(self, key: SessionKey, ttl_s: float) -> None:
         """A use without a change: the record lives another TTL. Best effort."""
         try:
-            self.client.pexpire(_record(key), max(1, int(ttl_s * 1000)))
+            self.client.pexpire(_record(key), _ms(ttl_s))
         except self._errors:
             log.warning("the shared record of %s was not renewed: the shared store did not answer", key.name)
 
@@ -76,7 +75,7 @@ class SharedRecords:
         with self._answering():
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(_record(key))
-            pipe.set(_tombstone(key), 1, px=max(1, int(ttl_s * 1000)))
+            pipe.set(_tombstone(key), 1, px=_ms(ttl_s))
             pipe.execute()
 
     def close(self) -> None:
@@ -89,6 +88,11 @@ class SharedRecords:
             yield
         except self._errors as exc:
             raise SharedStoreUnavailable(f"the shared store did not answer ({type(exc).__name__})") from exc
+
+
+def _ms(seconds: float) -> int:
+    """A TTL in Redis' milliseconds (at least 1: 0 would mean no expiry to some commands, an error to others)."""
+    return max(1, int(seconds * 1000))
 
 
 def _record(key: SessionKey) -> str:

@@ -4,7 +4,7 @@ Tokenising, template rendering and listing run on worker threads: each test hold
 asks /health meanwhile, which can only answer if the loop is free. Listing and creating cost what the page
 needs, not what the tenant holds: counted in Python calls among 1,000 and among 10,000 sessions. A prompt
 beyond the context is refused by its byte size, never tokenised. (The latency /health keeps on this
-machine while such work runs is measured by bench/responsiveness.py.)
+machine while such work runs is measured by bench/crowded.py.)
 """
 
 from __future__ import annotations
