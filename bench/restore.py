@@ -3,10 +3,11 @@
 python bench/restore.py [--history 2000] [--new 20] [--repeats 3]
 
 In-process on the default model. Turn 1 computes a history of --history tokens; its K/V is
-gathered from the pool into a snapshot (host RAM) and written to disk (safetensors). Then
+gathered from the pool into a snapshot (host RAM) and written to disk (the block store's disk
+backend: a checksummed safetensors file per 16-token block, and a manifest). Then
 turn 2 (the history + --new tokens, one output token) runs on a fresh, empty pool, four ways:
-K/V still in the pool (device), restored from host RAM, restored from disk (the file evicted
-from the page cache first, and the read + checksum counted), and recomputed from scratch.
+K/V still in the pool (device), restored from host RAM, restored from disk (the block files
+evicted from the page cache first, and the reads + checksums counted), and recomputed from scratch.
 Time = from the turn's start (snapshot read included) to its first token.
 """
 
@@ -87,13 +88,13 @@ def drop_page_cache(path: Path) -> None:
 async def measure(loaded, args, state: Path) -> dict:
     history = history_ids(loaded, args.history)
     turn2 = history + history_ids(loaded, args.history + args.new)[args.history :]
-    host = TierStore(1 << 34, 1 << 34, state)
+    host = TierStore(1 << 34, 1 << 34, state, block_size=16)
     warm = new_engine(loaded, host, len(turn2))
     await first_token_s(warm, history)  # turn 1: the history's K/V in the pool
     snapshot = await warm.query(lambda: warm.offloader.gather(KEY, history))
     host.put(snapshot)
     host.flush()  # a copy on disk
-    path = host.path_for(KEY)
+    files = sorted((state / "blocks").rglob("*.safetensors"))
     times: dict[str, list[float]] = {"device": [], "host": [], "disk": [], "recompute": []}
     for _ in range(args.repeats):
         times["device"].append((await first_token_s(warm, turn2))[0])
@@ -101,9 +102,10 @@ async def measure(loaded, args, state: Path) -> dict:
         fresh = new_engine(loaded, host, len(turn2))
         times["host"].append((await first_token_s(fresh, turn2, KEY))[0])
         fresh.stop()
-        disk_only = TierStore(0, 1 << 34, state)
+        disk_only = TierStore(0, 1 << 34, state, block_size=16)
         disk_only.scan()
-        drop_page_cache(path)
+        for path in files:
+            drop_page_cache(path)
         fresh = new_engine(loaded, disk_only, len(turn2))
         times["disk"].append((await first_token_s(fresh, turn2, KEY))[0])  # read + checksum included
         fresh.stop()
@@ -118,7 +120,8 @@ async def measure(loaded, args, state: Path) -> dict:
         "history_tokens": len(history),
         "new_tokens": args.new,
         "snapshot_bytes": snapshot.nbytes,
-        "file_bytes": path.stat().st_size,
+        "file_bytes": sum(path.stat().st_size for path in files),
+        "num_files": len(files),
         "seconds": times,
         "median_s": medians,
         "ratio_to_recompute": {k: medians[k] / medians["recompute"] for k in medians},
@@ -139,7 +142,7 @@ def report(result: dict) -> str:
         f"`python bench/restore.py` ({machine_line()}): turn 2 of a session with a {result['history_tokens']}-token "
         f"history plus {result['new_tokens']} new tokens, time to first token on an empty pool, median of "
         f"{len(result['seconds']['disk'])} runs. Snapshot {result['snapshot_bytes'] / 2**20:.1f} MiB in RAM, "
-        f"{result['file_bytes'] / 2**20:.1f} MiB on disk.",
+        f"{result['file_bytes'] / 2**20:.1f} MiB on disk in {result['num_files']} block files.",
         "",
         "| K/V source | time to first token | vs recompute |",
         "|---|---|---|",

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
-from server.kv.shared_blocks import SharedBlocks
+from server.kv.block_store import BlockStore
+from server.kv.redis_blocks import RedisBlocks
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel, ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
 from server.sessions.journal import Journal
@@ -21,6 +22,7 @@ from server.sessions.store import SessionStore
 from server.settings import Settings, default_host_kv_budget, default_kv_budget
 
 log = logging.getLogger("kvserve")
+MAX_SHARED_JOBS = 256  # turns' blocks waiting for Redis; past this a turn is not shared (only colder elsewhere)
 
 
 @dataclass(slots=True)
@@ -40,18 +42,21 @@ class ModelHost:
         host_budget = settings.host_kv_budget_bytes
         if host_budget is None:
             host_budget = default_host_kv_budget(_likely_device(specs), _total_ram())
-        self.tiers = TierStore(host_budget, settings.disk_kv_budget_bytes, state / "kv" if state else None)
+        kv_dir = state / "kv" if state else None
+        self.tiers = TierStore(host_budget, settings.disk_kv_budget_bytes, kv_dir, settings.block_size)
         journal = Journal(state / "sessions" if state else None)
         leases, shared = None, None
+        self.redis_blocks: RedisBlocks | None = None
         if settings.shared_url:  # replicas: turns leased and records committed in Redis
             leases = RedisLeases(settings.shared_url, settings.shared_lease_s)
             shared = SharedRecords(settings.shared_url)
-            self.tiers.shared = SharedBlocks(settings.shared_url)
+            self.redis_blocks = RedisBlocks(settings.shared_url)
+            self.tiers.shared = BlockStore(self.redis_blocks, "shared", MAX_SHARED_JOBS)
         self.store = SessionStore(
             settings.session_ttl_s, journal=journal, forgetters=(self.tiers,), leases=leases, shared=shared
         )
-        num_sessions, num_snapshots = self.store.restore(), self.tiers.scan()
-        num_snapshots -= self.tiers.retain(self.store.session_keys())  # snapshots of sessions no record knows
+        num_sessions = self.store.restore()
+        num_snapshots = self.tiers.scan(self.store.session_keys())  # K/V of sessions no record knows goes
         if state:
             log.info("state in %s: %d sessions and %d K/V snapshots found", state, num_sessions, num_snapshots)
         self._thread = threading.Thread(target=self._load_all, name="model-loader", daemon=True)
@@ -129,8 +134,8 @@ class ModelHost:
             engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded))
             engine.start()
             self.engines[state.spec.id] = engine
-            if self.tiers.shared is not None:
-                self.tiers.shared.announce(state.spec.id, engine.fingerprint)
+            if self.redis_blocks is not None:
+                self.redis_blocks.announce(state.spec.id, engine.fingerprint)
             state.status = "ready"
             log.info("model %s ready on %s (%s)", state.spec.id, loaded.device, loaded.dtype)
 

@@ -128,13 +128,16 @@ class _StateCollector:
             shared = GaugeMetricFamily("kvserve:shared_store_up", "1 when the shared store (Redis) answers, else 0")
             shared.add_metric([], 1.0 if host.store.leases.is_up else 0.0)
             yield shared
-        if host.tiers.shared is not None:
+        stores = [s for s in (host.tiers.disk.store if host.tiers.disk else None, host.tiers.shared) if s is not None]
+        if stores:
             blocks = CounterMetricFamily(
-                "kvserve:shared_kv_blocks",
-                "K/V blocks through the shared store: queued (to the writer), written, skipped (already there), read, "
-                "refused (bad checksum: recomputed), failed (Redis did not answer)",
-                labels=["outcome"],
+                "kvserve:kv_store_blocks",
+                "K/V blocks through the block store, by tier (disk, shared) and outcome: queued (to the writer), "
+                "written, skipped (already there), read, refused (failed its check: recomputed), failed (the disk or "
+                "Redis did not answer)",
+                labels=["tier", "outcome"],
             )
-            for outcome, count in dataclasses.asdict(host.tiers.shared.stats).items():
-                blocks.add_metric([outcome.removeprefix("num_")], count)
+            for store in stores:
+                for outcome, count in dataclasses.asdict(store.stats).items():
+                    blocks.add_metric([store.origin, outcome.removeprefix("num_")], count)
             yield blocks

@@ -104,10 +104,11 @@ def make_engine(
     **config,
 ) -> Engine:
     """A started engine over its own store and tiers (memory only unless given)."""
-    tiers = tiers or TierStore(0, 0, None)
-    store = store or SessionStore(ttl_s=3600, forgetters=(tiers,))
     config.setdefault("budget_bytes", 4 << 20)
-    engine = Engine(loaded, store, tiers, EngineConfig(**config))
+    engine_config = EngineConfig(**config)
+    tiers = tiers or TierStore(0, 0, None, engine_config.block_size)
+    store = store or SessionStore(ttl_s=3600, forgetters=(tiers,))
+    engine = Engine(loaded, store, tiers, engine_config)
     engine.start()
     return engine
 

@@ -13,9 +13,9 @@ import logging
 
 import torch
 
+from server.kv.block_store import WriteJob, addresses
 from server.kv.blocks import Block, BlockManager
 from server.kv.pool import KVPool
-from server.kv.shared_blocks import addresses
 from server.kv.snapshot import Snapshot
 from server.kv.tiers import TierStore
 from server.sessions.record import SessionKey
@@ -66,6 +66,8 @@ class Offloader:
     def __init__(
         self, pool: KVPool, manager: BlockManager, store: SessionStore, tiers: TierStore, model_id: str, fp: str
     ) -> None:
+        if tiers.block_size != manager.block_size:  # blocks below the pool are addressed by the pool's blocks
+            raise ValueError(f"the tiers' block size {tiers.block_size} differs from the pool's {manager.block_size}")
         self.pool, self.manager, self.store, self.tiers = pool, manager, store, tiers
         self.model_id, self.fingerprint = model_id, fp
         self.num_spilled = 0
@@ -133,15 +135,14 @@ class Offloader:
         try:
             blocks, num_tokens = self.manager.chain(key.tenant, token_ids)
             bs = self.manager.block_size
-            names = addresses(self.fingerprint, key.tenant, token_ids[: num_tokens - num_tokens % bs], bs)
+            names = addresses(self.fingerprint, bs, key.tenant, token_ids[: num_tokens - num_tokens % bs])
             new = shared.unknown(names)
             if not new:
                 return
             k, v = self.pool.gather(self.pool.slots([blocks[i].block_id for i in new], len(new) * bs))
             if self.pool.device.type == "cuda":
                 k, v = [t.cpu() for t in k], [t.cpu() for t in v]
-            cut = [slice(j * bs, (j + 1) * bs) for j in range(len(new))]  # views of the copy just made
-            shared.put([(names[i], [t[:, cut[j]] for t in k], [t[:, cut[j]] for t in v]) for j, i in enumerate(new)])
+            shared.put(WriteJob([names[i] for i in new], k, v, bs))  # block j of the job: tokens j*bs ..
         except Exception:
             log.exception("sharing the K/V of session %s failed; other replicas recompute it", key.name)
 
@@ -155,20 +156,13 @@ class Offloader:
         return len(self.store.transcript(key)) // bs * bs > num_in_pool
 
     def fetch(self, key: SessionKey, prompt_ids: list[int]) -> Snapshot | None:
-        """On the loader thread: the session's snapshot from host RAM or disk, else the leading blocks of its
-        prompt that Redis holds (checked), as a snapshot from the shared tier."""
+        """On the loader thread: the session's snapshot in host RAM, else the leading blocks of its prompt that
+        the block store holds (disk, then Redis; checked)."""
         snapshot = self.tiers.fetch(key, self.model_id, self.fingerprint)
-        shared = self.tiers.shared
-        if snapshot is not None or shared is None:
+        if snapshot is not None:
             return snapshot
-        bs = self.manager.block_size
-        usable = prompt_ids[: (len(prompt_ids) - 1) // bs * bs]
-        read = shared.read(addresses(self.fingerprint, key.tenant, usable, bs), self.pool.layout, bs)
-        if read is None:
-            return None
-        k, v = read
-        num_tokens = k[0].shape[1]
-        return Snapshot(key, self.model_id, self.fingerprint, list(usable[:num_tokens]), k, v, origin="shared")
+        usable = prompt_ids[: len(prompt_ids) - 1]  # the last prompt token is always computed, for its logits
+        return self.tiers.read(key, usable, self.model_id, self.fingerprint, self.pool.layout)
 
     def save(self, key: SessionKey, token_ids: list[int]) -> bool:
         """Best effort: a session whose copy fails (e.g. out of memory) just recomputes later."""

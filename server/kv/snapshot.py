@@ -1,40 +1,32 @@
-"""A session's K/V as a self-checking snapshot: host tensors in memory, safetensors on disk.
+"""A session's K/V off the device: a snapshot in host memory, and the stored form of its blocks.
 
-The file format is safetensors (never pickle): tensors `k.{layer}` / `v.{layer}` shaped
-[kv_heads, tokens, head_dim] plus `token_ids` [tokens], and a string header naming the
-format, its version, the model and its K/V layout (the fingerprint), the session it belongs
-to and a SHA-256 over the token ids and every tensor's bytes. A file that fails any check
-(truncated, corrupt, another model, another version) raises SnapshotError and is recomputed.
+A `Snapshot` holds per-layer host tensors [kv_heads, tokens, head_dim] for a prefix of a
+transcript. Below host RAM the K/V is kept a block at a time (`server/kv/block_store.py`), and
+every backend of the block store (a disk directory, Redis) holds the same bytes per block: a
+safetensors document (never pickle) with one tensor `kv` [2, layers, kv_heads, tokens,
+head_dim] (K then V) and a header naming the format and its version, the block's content
+address and a SHA-256 of the tensor's bytes: equal blocks are equal bytes. A value that fails
+any check (truncated, flipped, another format or version, stored under another address,
+another shape) decodes to None and its tokens are recomputed, never served.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 
+from server.kv.pool import KVLayout
 from server.sessions.record import SessionKey
 
-FORMAT = "kvserve-kv"
+log = logging.getLogger("kvserve.tiers")
+FORMAT = "kvserve-kv-block"
 VERSION = "1"
-
-
-class SnapshotError(Exception):
-    """A snapshot that cannot be used; the caller recomputes instead."""
-
-
-class SnapshotMismatch(SnapshotError):
-    """A sound snapshot made by another model (id or K/V layout or weights)."""
-
-    def __init__(self, message: str, model_id: str) -> None:
-        super().__init__(message)
-        self.model_id = model_id
 
 
 @dataclass(slots=True)
@@ -46,7 +38,7 @@ class Snapshot:
     k: list[torch.Tensor]  # per layer [kv_heads, tokens, head_dim]
     v: list[torch.Tensor]
     ready: torch.cuda.Event | None = None  # set while an asynchronous copy to host is in flight
-    origin: str = "host"  # the tier it was read from: host | disk
+    origin: str = "host"  # the tier it was read from: host | disk | shared
 
     @property
     def num_tokens(self) -> int:
@@ -63,81 +55,38 @@ class Snapshot:
             self.ready = None
 
 
-def _checksum(token_ids: torch.Tensor, tensors: list[torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    for tensor in [token_ids, *tensors]:
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().data)  # raw bytes, whatever the dtype
-    return digest.hexdigest()
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.view(torch.uint8).numpy().data).hexdigest()  # raw bytes, whatever the dtype
 
 
-def save(snapshot: Snapshot, path: Path) -> int:
-    """Write atomically (temporary file, then rename); returns the file's size in bytes."""
-    snapshot.wait()
-    ids = torch.tensor(snapshot.token_ids, dtype=torch.int64)
-    k = [t.contiguous() for t in snapshot.k]
-    v = [t.contiguous() for t in snapshot.v]
-    tensors = {"token_ids": ids} | {f"k.{i}": t for i, t in enumerate(k)} | {f"v.{i}": t for i, t in enumerate(v)}
-    key = snapshot.key
-    header = {
-        "format": FORMAT,
-        "version": VERSION,
-        "model": snapshot.model_id,
-        "fingerprint": snapshot.fingerprint,
-        "session": json.dumps([key.tenant, key.name, key.kind]),
-        "num_layers": str(len(k)),
-        "sha256": _checksum(ids, k + v),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+def encode_block(address: str, k: list[torch.Tensor], v: list[torch.Tensor]) -> bytes:
+    """One block's K and V (per layer [kv_heads, tokens, head_dim]) as the bytes every backend stores."""
+    kv = torch.stack([torch.stack(k), torch.stack(v)])  # [2, layers, kv_heads, tokens, head_dim], one copy
+    header = {"version": VERSION, "address": address, "sha256": _digest(kv)}
+    # One metadata entry, its keys sorted: safetensors stores a map in no fixed order, and equal blocks should be
+    # equal bytes wherever they are kept.
+    return bytes(save_tensors({"kv": kv}, metadata={FORMAT: json.dumps(header, sort_keys=True)}))
+
+
+def decode_block(address: str, value: bytes, layout: KVLayout) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """Per-layer K and V of a stored block, or None (logged) when the value fails a check."""
     try:
-        save_file(tensors, str(partial), metadata=header)  # safetensors itself writes a `.tmp*` file, then renames
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    return path.stat().st_size
-
-
-def read_header(path: Path) -> tuple[SessionKey, str, str, int]:
-    """(session, model, fingerprint, tokens) from the header alone, without reading the tensors."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            num_tokens = f.get_slice("token_ids").get_shape()[0]
-        _check_format(header)
-        tenant, name, kind = json.loads(header["session"])
-        return SessionKey(tenant, name, kind), header["model"], header["fingerprint"], num_tokens
-    except SnapshotError:
-        raise
-    except Exception as exc:  # safetensors, json, key and type errors all mean "unreadable"
-        raise SnapshotError(f"{path.name}: unreadable snapshot ({exc})") from exc
-
-
-def load(path: Path, model_id: str, expected_fingerprint: str) -> Snapshot:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            _check_format(header)
-            if header["model"] != model_id or header["fingerprint"] != expected_fingerprint:
-                made_by = f"made by model {header['model']!r} ({header['fingerprint']})"
-                raise SnapshotMismatch(f"{path.name}: {made_by}", header["model"])
-            num_layers = int(header["num_layers"])
-            ids = f.get_tensor("token_ids")
-            k = [f.get_tensor(f"k.{i}") for i in range(num_layers)]
-            v = [f.get_tensor(f"v.{i}") for i in range(num_layers)]
-        if _checksum(ids, k + v) != header["sha256"]:
-            raise SnapshotError(f"{path.name}: checksum mismatch")
-        tenant, name, kind = json.loads(header["session"])
-    except SnapshotError:
-        raise
-    except Exception as exc:
-        raise SnapshotError(f"{path.name}: unreadable snapshot ({exc})") from exc
-    key = SessionKey(tenant, name, kind)
-    return Snapshot(key, model_id, expected_fingerprint, ids.tolist(), k, v, origin="disk")
-
-
-def _check_format(header: dict[str, str]) -> None:
-    if header.get("format") != FORMAT:
-        raise SnapshotError(f"not a {FORMAT} snapshot")
-    if header.get("version") != VERSION:
-        raise SnapshotError(f"snapshot version {header.get('version')!r}, this server reads {VERSION!r}")
+        size = int.from_bytes(value[:8], "little")  # safetensors: the header's length, then the header
+        metadata = json.loads(value[8 : 8 + size]).get("__metadata__") or {}
+        if FORMAT not in metadata:
+            raise ValueError(f"not a {FORMAT}")
+        header = json.loads(metadata[FORMAT])
+        if header.get("version") != VERSION:
+            raise ValueError(f"version {header.get('version')!r}, this server reads {VERSION!r}")
+        if header.get("address") != address:
+            raise ValueError("stored under another address")
+        kv = load_tensors(value)["kv"]
+        expected = (2, layout.num_layers, layout.num_kv_heads, layout.head_dim)
+        if kv.dtype != layout.dtype or kv.dim() != 5 or (*kv.shape[:3], kv.shape[4]) != expected:
+            raise ValueError(f"shape {tuple(kv.shape)} {kv.dtype}, not this model's K/V")
+        if _digest(kv) != header.get("sha256"):
+            raise ValueError("checksum mismatch")
+    except Exception as exc:  # safetensors, json, key and value errors all mean "unusable"
+        log.warning("a K/V block failed its check (%s): its tokens are recomputed", exc)
+        return None
+    return list(kv[0].unbind()), list(kv[1].unbind())

@@ -1,38 +1,31 @@
-"""Where sessions' K/V go when they leave the device: host RAM, then a disk directory.
+"""Where sessions' K/V go when they leave the device: host RAM, then the block store (disk; Redis too).
 
-Each tier has a byte budget and least-recently-used order. A snapshot leaving the device
-lands in host RAM; host overflow moves the oldest snapshots to disk (written by a
-background thread, so the engine never waits on the file system); disk overflow deletes
-the oldest files. Using a snapshot brings it back up: a disk read lands in host RAM when it
-fits, and the engine copies it into the device pool. On CPU the device pool already is host
-RAM, so the host budget defaults to 0 and snapshots go straight to disk.
+Host RAM holds whole snapshots (on CUDA, the pinned copies the device made), with a byte
+budget and least-recently-used order; on CPU the device pool already is host RAM, so its budget
+defaults to 0. Below it, K/V is kept a block at a time in one block store over two backends
+(`block_store.py`): this process's disk (`disk_tier.py`, a manifest per session over shared
+block files) and, with replicas, Redis. Host overflow hands the oldest snapshots to the disk's
+writer thread (still readable from memory until written), so the engine never waits on a file
+system. Reading a prompt's K/V back takes the leading run of its blocks from the disk and goes
+on from Redis where the disk stops; a disk read lands in host RAM when it fits.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.kv import snapshot as snap_io
-from server.kv.shared_blocks import SharedBlocks
-from server.kv.snapshot import Snapshot, SnapshotError, SnapshotMismatch
-from server.sessions.journal import Tombstones, state_path, sweep
+from server.kv.block_store import BlockKV, BlockStore, addresses, join_blocks
+from server.kv.disk_tier import DiskTier
+from server.kv.pool import KVLayout
+from server.kv.snapshot import Snapshot
+from server.sessions.journal import Tombstones
 from server.sessions.record import SessionKey
 
 log = logging.getLogger("kvserve.tiers")
-
-
-@dataclass(slots=True)
-class DiskEntry:
-    path: Path
-    model_id: str
-    num_tokens: int
-    nbytes: int
-    token_ids: list[int] | None = None  # known for files written by this process
 
 
 @dataclass(slots=True)
@@ -40,7 +33,8 @@ class TierUsage:
     host_tokens: int = 0
     host_bytes: int = 0
     disk_tokens: int = 0
-    disk_bytes: int = 0
+    disk_bytes: int = 0  # blocks only this session names
+    disk_shared_bytes: int = 0  # blocks other sessions name too
 
 
 @dataclass(slots=True)
@@ -55,61 +49,40 @@ class TierStats:
 
 
 class TierStore:
-    def __init__(self, host_budget_bytes: int, disk_budget_bytes: int, directory: Path | None) -> None:
-        self.host_budget_bytes = host_budget_bytes
-        self.disk_budget_bytes = disk_budget_bytes if directory is not None else 0
-        self.directory = directory
+    def __init__(
+        self, host_budget_bytes: int, disk_budget_bytes: int, directory: Path | None, block_size: int = 16
+    ) -> None:
+        self.host_budget_bytes, self.block_size = host_budget_bytes, block_size
+        self.disk = DiskTier(directory, disk_budget_bytes, block_size) if directory is not None else None
+        self.shared: BlockStore | None = None  # replicas: blocks in Redis, below this process's tiers
         self.is_enabled = host_budget_bytes > 0 or directory is not None  # a snapshot has somewhere to go
-        self.shared: SharedBlocks | None = None  # replicas: blocks in Redis, under this process's tiers
         self._lock = threading.RLock()
         self._host: OrderedDict[SessionKey, Snapshot] = OrderedDict()
         self._writing: dict[SessionKey, Snapshot] = {}  # on their way to disk: still readable from memory
-        self._disk: OrderedDict[SessionKey, DiskEntry] = OrderedDict()
         self._deleted = Tombstones()
+        self._num_dropped = 0  # snapshots with nowhere to go (no disk, or larger than its budget)
         self.stats = TierStats()
-        self._queue: queue.Queue[SessionKey | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
-        if self.directory is not None:
-            self._writer.start()
 
-    # -- paths and start-up -----------------------------------------------------------
     def path_for(self, key: SessionKey) -> Path:
-        """Tenant names are hashed and ids validated: no key can point outside the directory."""
-        assert self.directory is not None
-        return state_path(self.directory, key, ".safetensors")
+        """The disk manifest of `key` (its blocks are content-addressed files beside it)."""
+        assert self.disk is not None
+        return self.disk.path_for(key)
 
     def revive(self, key: SessionKey) -> None:
-        """A new session under a name deleted before: its snapshots may be kept again."""
+        """A new session under a name deleted before: its K/V may be kept again."""
         with self._lock:
             self._deleted.revive(key)
+        if self.disk is not None:
+            self.disk.revive(key)
 
-    def retain(self, keys: set[SessionKey]) -> int:
-        """At start: drop snapshots whose session record is gone. Returns how many were dropped."""
-        with self._lock:
-            orphans = [key for key in self._disk if key not in keys]
-        for key in orphans:
-            self.drop(key)
-        return len(orphans)
-
-    def scan(self) -> int:
-        """Index the snapshots a previous run left on disk (headers only). Returns how many were found."""
-        if self.directory is None or not self.directory.exists():
+    def scan(self, keys: set[SessionKey] | None = None) -> int:
+        """At start: index the K/V a previous run left on disk, dropping that of sessions not in `keys` (no record
+        knows them). Returns how many sessions have K/V on disk."""
+        if self.disk is None:
             return 0
-        self.stats.num_swept = sweep(self.directory, ".safetensors")  # writes a crash cut short
-        found = sorted(self.directory.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime)
-        for path in found:
-            try:
-                key, model_id, _fingerprint, num_tokens = snap_io.read_header(path)
-            except SnapshotError as exc:
-                log.warning("skipping K/V snapshot %s: %s", path, exc)
-                continue
-            if key.kind not in ("session", "response") or path != self.path_for(key):
-                log.warning("skipping K/V snapshot %s: its header names another session", path)
-                continue
-            with self._lock:
-                self._disk[key] = DiskEntry(path, model_id, num_tokens, path.stat().st_size)
-        self._evict_disk()
-        return len(self._disk)
+        found = self.disk.scan(lambda key: keys is None or key in keys)
+        self.stats.num_swept = self.disk.num_swept
+        return found
 
     # -- moving down ----------------------------------------------------------------
     def put(self, snapshot: Snapshot) -> None:
@@ -127,8 +100,8 @@ class TierStore:
             for snap in (self._host.get(key), self._writing.get(key)):
                 if snap is not None and snap.token_ids[: len(token_ids)] == token_ids:
                     return True
-            disk = self._disk.get(key)
-            return disk is not None and disk.token_ids is not None and disk.token_ids[: len(token_ids)] == token_ids
+        disk = self.disk.manifest(key) if self.disk is not None else None
+        return disk is not None and disk.token_ids[: len(token_ids)] == token_ids
 
     def flush(self) -> None:
         """At shutdown: every snapshot in host RAM goes to disk; returns when the writes are done."""
@@ -143,92 +116,94 @@ class TierStore:
 
     def flush_pending(self) -> None:
         """Wait until the snapshots already on their way to disk are written."""
-        if self.directory is not None:
-            self._queue.join()
+        if self.disk is not None:
+            self.disk.flush()
 
     # -- moving up ----------------------------------------------------------------------
     def peek_tokens(self, key: SessionKey) -> int:
-        """How many tokens the best snapshot of `key` holds (0: none), without loading it."""
+        """How many tokens the best copy of `key` below the device holds (0: none), without reading it."""
         with self._lock:
             for snap in (self._host.get(key), self._writing.get(key)):
                 if snap is not None:
                     return snap.num_tokens
-            disk = self._disk.get(key)
-            return disk.num_tokens if disk else 0
+        disk = self.disk.manifest(key) if self.disk is not None else None
+        return len(disk.token_ids) if disk is not None else 0
 
     def fetch(self, key: SessionKey, model_id: str, fingerprint: str) -> Snapshot | None:
-        """The snapshot of `key` in memory (read from disk when needed), or None. Blocking: call off the loop."""
+        """The snapshot of `key` in host RAM (or on its way to disk), or None."""
         with self._lock:
             snap = self._host.get(key) or self._writing.get(key)
-            if snap is not None:
-                if key in self._host:
-                    self._host.move_to_end(key)
-                snap.origin = "host"
-                return snap if snap.model_id == model_id and snap.fingerprint == fingerprint else None
-            disk = self._disk.get(key)
-        if disk is None:
+            if snap is None:
+                return None
+            if key in self._host:
+                self._host.move_to_end(key)
+            snap.origin = "host"
+            return snap if snap.model_id == model_id and snap.fingerprint == fingerprint else None
+
+    def read(
+        self, key: SessionKey, usable_ids: list[int], model_id: str, fingerprint: str, layout: KVLayout
+    ) -> Snapshot | None:
+        """From the block store (blocking: call off the loop): the leading run of `usable_ids`' blocks on disk
+        (with `key`'s partial last block), continued from the shared tier where the disk stops."""
+        full = addresses(fingerprint, self.block_size, key.tenant, usable_ids)
+        blocks: list[BlockKV] = []
+        tail_block, origin = None, "disk"
+        if self.disk is not None:
+            tail = self.disk.tail(key, fingerprint, usable_ids)
+            names = [*full[: tail[0]], tail[1]] if tail is not None else full
+            blocks = self.disk.store.read_run(names, layout)
+            if tail is not None and len(blocks) == len(names):
+                tail_block = blocks.pop()  # used unless the shared tier holds full blocks past it
+        if self.shared is not None and len(blocks) < len(full):
+            more = self.shared.read_run(full[len(blocks) :], layout)
+            if more:
+                blocks, tail_block, origin = blocks + more, None, "shared"
+        blocks += [tail_block] if tail_block is not None else []
+        if not blocks:
             return None
-        try:
-            snap = snap_io.load(disk.path, model_id, fingerprint)
-        except SnapshotError as exc:
-            log.warning("K/V snapshot of session %s skipped, its turns will be recomputed: %s", key.name, exc)
-            if not (isinstance(exc, SnapshotMismatch) and exc.model_id != model_id):
-                self._forget_disk(key, disk)  # corrupt, or stale (our model id, other weights): gone
-            return None
+        k, v = join_blocks(blocks, layout.num_layers)
+        snap = Snapshot(key, model_id, fingerprint, list(usable_ids[: k[0].shape[1]]), k, v, origin=origin)
         with self._lock:
-            if self._disk.get(key) is not disk:
-                return snap  # dropped or replaced while it was read: use it once, keep nothing
-            disk.token_ids = snap.token_ids
-            self._disk.move_to_end(key)
-            if snap.nbytes <= self.host_budget_bytes:
+            if origin == "disk" and snap.nbytes <= self.host_budget_bytes and key not in self._deleted:
                 self._host[key] = snap  # use brings it back up; the disk copy stays valid
                 self._evict_host()
         return snap
 
     # -- forgetting ---------------------------------------------------------------------
-    def _forget_disk(self, key: SessionKey, disk: DiskEntry) -> None:
-        """An unusable file: remove it (and only it; a newer copy in memory stays)."""
-        with self._lock:
-            if self._disk.get(key) is disk:
-                del self._disk[key]
-        disk.path.unlink(missing_ok=True)
-
     def drop(self, key: SessionKey) -> None:
-        """Delete a session's snapshots from every tier (session deleted or expired)."""
+        """Delete a session's K/V from every tier of this process (session deleted or expired)."""
         if key.is_bucket:
             return
         with self._lock:
             self._deleted.add(key)
             self._host.pop(key, None)
             self._writing.pop(key, None)
-            disk = self._disk.pop(key, None)
-        if disk is not None:
-            disk.path.unlink(missing_ok=True)
-        elif self.directory is not None:
-            self.path_for(key).unlink(missing_ok=True)
+        if self.disk is not None:
+            self.disk.drop(key)
 
     def usage(self, key: SessionKey) -> TierUsage:
+        usage = TierUsage()
         with self._lock:
-            usage = TierUsage()
             snap = self._host.get(key) or self._writing.get(key)
             if snap is not None:
                 usage.host_tokens, usage.host_bytes = snap.num_tokens, snap.nbytes
-            disk = self._disk.get(key)
-            if disk is not None:
-                usage.disk_tokens, usage.disk_bytes = disk.num_tokens, disk.nbytes
-            return usage
+        if self.disk is not None:
+            usage.disk_tokens, usage.disk_bytes, usage.disk_shared_bytes = self.disk.usage(key)
+        return usage
 
     def totals(self) -> TierStats:
         with self._lock:
             self.stats.host_bytes = sum(s.nbytes for s in [*self._host.values(), *self._writing.values()])
-            self.stats.disk_bytes = sum(d.nbytes for d in self._disk.values())
-            self.stats.num_host, self.stats.num_disk = len(self._host), len(self._disk)
-            return self.stats
+            self.stats.num_host = len(self._host)
+        if self.disk is not None:
+            self.stats.disk_bytes, self.stats.num_disk = self.disk.blocks.nbytes, self.disk.num_sessions
+            self.stats.num_failed_writes = self.disk.num_failed_writes
+        self.stats.num_demoted["dropped"] = self._num_dropped + (self.disk.num_evicted if self.disk is not None else 0)
+        return self.stats
 
     def close(self) -> None:
-        if self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join(30)
+        if self.disk is not None:
+            self.disk.close()
 
     # -- internals ----------------------------------------------------------------------
     def _evict_host(self) -> None:
@@ -240,59 +215,17 @@ class TierStore:
 
     def _demote(self, key: SessionKey) -> None:
         snap = self._host.pop(key)
-        disk = self._disk.get(key)
-        if disk is not None and disk.token_ids == snap.token_ids:
+        if self.disk is not None and self.disk.holds(snap):
             return  # the disk already holds this very snapshot
-        if self.directory is None or snap.nbytes > self.disk_budget_bytes:
-            self.stats.num_demoted["dropped"] += 1
+        if self.disk is None or snap.nbytes > self.disk.budget_bytes:
+            self._num_dropped += 1  # nowhere to go: the session recomputes
             return
         self.stats.num_demoted["disk"] += 1
         self._writing[key] = snap
-        self._queue.put(key)
 
-    def _write_loop(self) -> None:
-        while True:
-            key = self._queue.get()
-            try:
-                if key is None:
-                    return
-                self._write(key)
-            finally:
-                self._queue.task_done()
-
-    def _write(self, key: SessionKey) -> None:
-        with self._lock:
-            snap = self._writing.get(key)
-        if snap is None:
-            return  # dropped meanwhile
-        path = self.path_for(key)
-        try:
-            nbytes = snap_io.save(snap, path)
-        except Exception:  # a full or read-only disk: the K/V is dropped (recomputed later), never kept in RAM for ever
-            log.exception("writing the K/V snapshot of session %s failed; it is dropped", key.name)
+        def written() -> None:
             with self._lock:
                 if self._writing.get(key) is snap:
                     del self._writing[key]
-                self.stats.num_failed_writes += 1
-            return
-        with self._lock:
-            if self._writing.get(key) is not snap:
-                if key not in self._writing and key not in self._host:
-                    path.unlink(missing_ok=True)  # the session was deleted while its file was written
-                return
-            del self._writing[key]
-            self._disk.pop(key, None)
-            self._disk[key] = DiskEntry(path, snap.model_id, snap.num_tokens, nbytes, snap.token_ids)
-        self._evict_disk()
 
-    def _evict_disk(self) -> None:
-        with self._lock:
-            total = sum(d.nbytes for d in self._disk.values())
-            victims = []
-            while self._disk and total > self.disk_budget_bytes:
-                _key, disk = self._disk.popitem(last=False)
-                total -= disk.nbytes
-                victims.append(disk.path)
-                self.stats.num_demoted["dropped"] += 1
-        for path in victims:
-            path.unlink(missing_ok=True)
+        self.disk.write(snap, written)

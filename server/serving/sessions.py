@@ -164,8 +164,8 @@ class Sessions:
             "parent": info.parent,
             "cache": {
                 "device": device_usage,
-                "host": _tier(lower.host_tokens, lower.host_bytes, 0),  # snapshots are per session
-                "disk": _tier(lower.disk_tokens, lower.disk_bytes, 0),
+                "host": _tier(lower.host_tokens, lower.host_bytes, 0),  # host snapshots are per session
+                "disk": _tier(lower.disk_tokens, lower.disk_bytes, lower.disk_shared_bytes),  # blocks: shared ones too
             },
         }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -9,6 +10,8 @@ import time
 import httpx
 import pytest
 
+from server.kv.block_store import addresses
+from server.kv.disk_blocks import DiskBlocks
 from tests.e2e.server import Server, _kill_leftovers  # noqa: F401 - the fixture is autouse
 from tests.helpers import wait_until
 
@@ -82,10 +85,16 @@ def test_sigterm_drains_then_sessions_come_back_with_their_kv(model_dir, tmp_pat
     assert '"finish_reason":"length"' in events[-2]  # the stream finished whole
     assert server.proc.wait(GRACE_S + 60) == 0
     server.log.close()
-    snapshots = {p.name for p in (state / "kv").rglob("*.safetensors")}
-    assert snapshots >= {f"session-{sid}.safetensors" for sid in sids}
-    # Break one snapshot: it must be skipped with a warning and recomputed, never crash the server.
-    broken = next((state / "kv").rglob(f"session-{sids[1]}.safetensors"))
+    manifests = {p.name for p in (state / "kv").rglob("*.kv.json")}
+    assert manifests >= {f"session-{sid}.kv.json" for sid in sids}
+    # Break the first block of the second session's that the first does not share (blocks are stored once): it
+    # must be refused with a warning and recomputed, never crash the server.
+    names = []
+    for sid in sids:
+        manifest = json.loads(next((state / "kv").rglob(f"session-{sid}.kv.json")).read_text())
+        tenant, fingerprint, block_size = manifest["session"][0], manifest["fingerprint"], manifest["block_size"]
+        names.append(addresses(fingerprint, block_size, tenant, manifest["token_ids"]))
+    broken = DiskBlocks(state / "kv" / "blocks").path_for(next(n for n in names[1] if n not in names[0]))
     data = bytearray(broken.read_bytes())
     data[-1] ^= 0xFF
     broken.write_bytes(bytes(data))

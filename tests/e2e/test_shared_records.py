@@ -11,7 +11,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from server.kv.shared_blocks import SharedBlocks
+from server.kv.redis_blocks import RedisBlocks
 from server.sessions.errors import SessionBusy
 from server.sessions.journal import Journal
 from server.sessions.leases import LocalLeases
@@ -176,9 +176,9 @@ def test_blocks_are_stored_once_per_tenant_and_never_across(model_dir, tmp_path)
 
 def _shared_blocks(base: str, outcome: str) -> float:
     for line in httpx.get(base + "/metrics").text.splitlines():
-        if line.startswith(f'kvserve:shared_kv_blocks_total{{outcome="{outcome}"}}'):
+        if line.startswith(f'kvserve:kv_store_blocks_total{{outcome="{outcome}",tier="shared"}}'):
             return float(line.split()[-1])
-    raise AssertionError(f"no kvserve:shared_kv_blocks_total for {outcome}")
+    raise AssertionError(f"no kvserve:kv_store_blocks_total for the shared tier's {outcome}")
 
 
 @pytest.mark.parametrize("call", ["record", "lease"])
@@ -216,7 +216,7 @@ def test_a_name_deleted_here_and_reused_elsewhere_is_journaled_here_again(tmp_pa
 
 def test_replicas_with_different_kv_layouts_are_told(tmp_path, caplog):
     server = Redis(tmp_path)
-    first, second = SharedBlocks(server.url), SharedBlocks(server.url)
+    first, second = RedisBlocks(server.url), RedisBlocks(server.url)
     first.announce("m", "layers=2,dtype=float32")
     second.announce("m", "layers=2,dtype=float32")
     assert "differs" not in caplog.text

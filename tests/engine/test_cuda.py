@@ -55,7 +55,7 @@ def test_batched_engine_matches_generate_on_cuda(tiny_cuda):
 
 def test_a_session_comes_back_from_pinned_host_memory(tiny_cuda, tmp_path):
     async def body() -> None:
-        tiers = TierStore(1 << 30, 0, None)
+        tiers = TierStore(1 << 30, 0, None, block_size=4)
         engine = make_engine(tiny_cuda, tiers=tiers, budget_bytes=64 << 20, block_size=4)
         try:
             prompt = tiny_cuda.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]

@@ -78,6 +78,10 @@ def files_of(client, name: str) -> list[str]:
     return sorted(p.name for p in client.state_dir.rglob(f"*{name}*"))
 
 
+def block_files(client) -> list[str]:
+    return sorted(p.name for p in (client.state_dir / "kv" / "blocks").rglob("*.safetensors"))
+
+
 def test_delete_and_expiry_remove_transcript_and_snapshots_from_every_tier(app_client):
     sid = app_client.post("/v1/sessions", json={"system": "Be brief."}).json()["id"]
     chat(app_client, sid, [{"role": "user", "content": "Hello"}])
@@ -85,9 +89,11 @@ def test_delete_and_expiry_remove_transcript_and_snapshots_from_every_tier(app_c
     key, engine = SessionKey("default", sid), host.engines["tiny"]
     assert ask(engine, lambda: engine.offloader.save(key, host.store.transcript(key)))  # as at shutdown
     host.tiers.flush()
-    assert files_of(app_client, sid) == [f"session-{sid}.json", f"session-{sid}.safetensors"]
+    assert files_of(app_client, sid) == [f"session-{sid}.json", f"session-{sid}.kv.json"]  # record, K/V manifest
+    assert block_files(app_client)  # its K/V, a file per block
     app_client.delete(f"/v1/sessions/{sid}")
     assert files_of(app_client, sid) == []
+    assert block_files(app_client) == []  # no other session named those blocks
     short = app_client.post("/v1/sessions", json={"ttl_s": 0.2}).json()["id"]
     chat(app_client, short, [{"role": "user", "content": "Hi"}])
     assert files_of(app_client, short) == [f"session-{short}.json"]

@@ -29,7 +29,7 @@ TOKEN_BYTES = 2 * 2 * 2 * 16 * 8  # K+V x layers x kv_heads x head_dim x float64
 
 
 def engine_with_tiers(tiny, tmp_path, host_budget: int, num_blocks: int = 24):
-    tiers = TierStore(host_budget, 1 << 30, tmp_path / "kv")
+    tiers = TierStore(host_budget, 1 << 30, tmp_path / "kv", block_size=BLOCK)
     return make_engine(tiny, tiers=tiers, budget_bytes=num_blocks * BLOCK * TOKEN_BYTES, block_size=BLOCK)
 
 
@@ -89,10 +89,8 @@ async def test_shutdown_saves_every_session_in_the_pool(tiny, tmp_path):
     tiers = engine.offloader.tiers
     assert engine.save_sessions() == 2
     tiers.flush()
-    assert sorted(p.name for p in (tmp_path / "kv").rglob("*.safetensors")) == [
-        "session-s1.safetensors",
-        "session-s2.safetensors",
-    ]
+    assert sorted(p.name for p in (tmp_path / "kv").rglob("*.kv.json")) == ["session-s1.kv.json", "session-s2.kv.json"]
+    assert all(tiers.usage(SessionKey("default", name)).disk_tokens > 0 for name in ("s1", "s2"))
     assert engine.save_sessions() == 0  # already covered: nothing is written twice
     tiers.close()
 
@@ -174,13 +172,13 @@ def test_forgetting_a_session_never_drops_a_block_of_another():
         )
     manager.release(fill(manager, "default", kept))  # only `kept` has K/V in the pool, idle and cached
     assert store.delete(SessionKey("default", "gone"))
-    Offloader(None, manager, store, TierStore(0, 0, None), "m", "fp").discard_forgotten()  # type: ignore[arg-type]
+    Offloader(None, manager, store, TierStore(0, 0, None, block_size=4), "m", "fp").discard_forgotten()  # type: ignore[arg-type]
     # `gone`'s own second block was never there: the partially matching block is `kept`'s, and stays
     assert manager.match("default", kept, 6).num_tokens == 6
 
 
 async def test_a_snapshot_of_another_dtype_is_recomputed_not_misread(tiny, tmp_path, caplog):
-    tiers = TierStore(0, 1 << 30, tmp_path / "kv")
+    tiers = TierStore(0, 1 << 30, tmp_path / "kv", block_size=BLOCK)
     store = SessionStore(ttl_s=3600, forgetters=(tiers,))
     engine = make_engine(tiny, store=store, tiers=tiers, budget_bytes=64 * BLOCK * TOKEN_BYTES, block_size=BLOCK)
     prompt = words(tiny, "The quick brown fox jumps over the lazy dog.")
@@ -194,7 +192,7 @@ async def test_a_snapshot_of_another_dtype_is_recomputed_not_misread(tiny, tmp_p
     # The same weights served in float32 (as `dtype: auto` may pick on another machine): the float64 K/V on disk
     # would be read as garbage, so the next turn computes its prompt.
     as_fp32 = dataclasses.replace(tiny, model=copy.deepcopy(tiny.model).float(), dtype=torch.float32)
-    tiers = TierStore(0, 1 << 30, tmp_path / "kv")
+    tiers = TierStore(0, 1 << 30, tmp_path / "kv", block_size=BLOCK)
     assert tiers.scan() == 1
     engine = make_engine(as_fp32, store=store, tiers=tiers, budget_bytes=64 * BLOCK * TOKEN_BYTES, block_size=BLOCK)
     try:
