@@ -25,6 +25,7 @@ import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,7 +37,7 @@ from server.kv.snapshot import decode_block, encode_block
 log = logging.getLogger("kvserve.blocks")
 KNOWN_LIMIT = 1 << 20  # addresses remembered as already held
 CHUNK = 8  # blocks per round trip: one reply never carries more than a few MB
-BlockKV = tuple[list[torch.Tensor], list[torch.Tensor]]  # one block's per-layer K and V [kv_heads, tokens, head_dim]
+READERS = 4  # chunks read and checked at once: file reads, Redis round trips and SHA-256 release the GIL
 
 
 def addresses(fingerprint: str, block_size: int, tenant: str, token_ids: list[int], tail: bool = False) -> list[str]:
@@ -55,11 +56,11 @@ def leading_run(flags: list[bool]) -> int:
     return next((i for i, flag in enumerate(flags) if not flag), len(flags))
 
 
-def join_blocks(blocks: list[BlockKV], num_layers: int) -> BlockKV:
-    """Consecutive blocks as one run: per-layer K and V [kv_heads, tokens, head_dim]."""
-    k = [torch.cat([b[0][layer] for b in blocks], dim=1) for layer in range(num_layers)]
-    v = [torch.cat([b[1][layer] for b in blocks], dim=1) for layer in range(num_layers)]
-    return k, v
+def join_blocks(blocks: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Consecutive blocks [2, layers, kv_heads, tokens, head_dim] as one run, in one copy: per-layer K and V
+    [kv_heads, tokens, head_dim] (contiguous views of it)."""
+    run = torch.cat(blocks, dim=3)
+    return list(run[0].unbind()), list(run[1].unbind())
 
 
 class BlockBackend(Protocol):
@@ -109,6 +110,7 @@ class BlockStore:
         self._queue: queue.Queue[WriteJob | None] = queue.Queue(max_queued)  # 0: unbounded
         self._writer = threading.Thread(target=self._write_loop, name=f"kv-{origin}-writer", daemon=True)
         self._writer.start()
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix=f"kv-{origin}-reader")
 
     # -- writing ------------------------------------------------------------------------
     def unknown(self, names: list[str]) -> list[int]:
@@ -169,31 +171,41 @@ class BlockStore:
         return True
 
     # -- reading (on the engine's loader thread) ----------------------------------------
-    def read_run(self, names: list[str], layout: KVLayout) -> list[BlockKV]:
-        """The leading run of present, sound blocks among `names`. Never raises: a backend that does not answer
-        means recompute."""
-        blocks: list[BlockKV] = []
-        for start in range(0, len(names), CHUNK):
-            chunk = names[start : start + CHUNK]
-            try:
-                values = self.backend.read(chunk)
-            except self.backend.errors as exc:
-                self.stats.num_failed += len(names) - len(blocks)
-                log.warning("K/V blocks not read from the %s tier (%s): they are recomputed", self.origin, exc)
-                break
-            for name, value in zip(chunk, values, strict=True):
-                decoded = None if value is None else decode_block(name, value, layout)
-                if decoded is None:
-                    if value is not None:
-                        self.stats.num_refused += 1
-                        self.delete([name])
+    def read_run(self, names: list[str], layout: KVLayout) -> list[torch.Tensor]:
+        """The leading run of present, sound blocks among `names`, each [2, layers, kv_heads, tokens, head_dim].
+        Chunks are read and checked READERS at a time. Never raises: a backend that does not answer means
+        recompute."""
+        chunks = [names[start : start + CHUNK] for start in range(0, len(names), CHUNK)]
+        futures = [self._readers.submit(self._read_chunk, chunk, layout) for chunk in chunks]
+        blocks: list[torch.Tensor] = []
+        try:
+            for chunk, future in zip(chunks, futures, strict=True):
+                try:
+                    found = future.result()
+                except self.backend.errors as exc:
+                    self.stats.num_failed += len(names) - len(blocks)
+                    log.warning("K/V blocks not read from the %s tier (%s): they are recomputed", self.origin, exc)
                     break
-                blocks.append(decoded)
-            if len(blocks) < start + len(chunk):
-                break
+                run = leading_run([block is not None for block in found])
+                blocks += found[:run]  # type: ignore[arg-type]  # the leading run holds no None
+                if run < len(chunk):
+                    break
+        finally:
+            for future in futures:
+                future.cancel()  # chunks past a missing block are not needed
         self.stats.num_read += len(blocks)
         self._remember(names[: len(blocks)])
         return blocks
+
+    def _read_chunk(self, chunk: list[str], layout: KVLayout) -> list[torch.Tensor | None]:
+        found: list[torch.Tensor | None] = []
+        for name, value in zip(chunk, self.backend.read(chunk), strict=True):
+            block = None if value is None else decode_block(name, value, layout)
+            if value is not None and block is None:
+                self.stats.num_refused += 1
+                self.delete([name])  # the next writer stores a sound one
+            found.append(block)
+        return found
 
     # -- forgetting ---------------------------------------------------------------------
     def delete(self, names: list[str]) -> None:
@@ -219,4 +231,5 @@ class BlockStore:
     def close(self) -> None:
         self._queue.put(None)
         self._writer.join(30)
+        self._readers.shutdown(cancel_futures=True)
         self.backend.close()

@@ -46,7 +46,9 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.k + self.v)
+        """The storage really held: views of one tensor (a run read from the block store) count it once."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.k + self.v}
+        return sum(storages.values())
 
     def wait(self) -> None:
         """Block until an asynchronous device-to-host copy has landed."""
@@ -68,8 +70,9 @@ def encode_block(address: str, k: list[torch.Tensor], v: list[torch.Tensor]) -> 
     return bytes(save_tensors({"kv": kv}, metadata={FORMAT: json.dumps(header, sort_keys=True)}))
 
 
-def decode_block(address: str, value: bytes, layout: KVLayout) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """Per-layer K and V of a stored block, or None (logged) when the value fails a check."""
+def decode_block(address: str, value: bytes, layout: KVLayout) -> torch.Tensor | None:
+    """A stored block's K and V as [2, layers, kv_heads, tokens, head_dim], or None (logged) when the value fails
+    a check."""
     try:
         size = int.from_bytes(value[:8], "little")  # safetensors: the header's length, then the header
         metadata = json.loads(value[8 : 8 + size]).get("__metadata__") or {}
@@ -80,7 +83,7 @@ def decode_block(address: str, value: bytes, layout: KVLayout) -> tuple[list[tor
             raise ValueError(f"version {header.get('version')!r}, this server reads {VERSION!r}")
         if header.get("address") != address:
             raise ValueError("stored under another address")
-        kv = load_tensors(value)["kv"]
+        kv: torch.Tensor = load_tensors(value)["kv"]
         expected = (2, layout.num_layers, layout.num_kv_heads, layout.head_dim)
         if kv.dtype != layout.dtype or kv.dim() != 5 or (*kv.shape[:3], kv.shape[4]) != expected:
             raise ValueError(f"shape {tuple(kv.shape)} {kv.dtype}, not this model's K/V")
@@ -89,4 +92,4 @@ def decode_block(address: str, value: bytes, layout: KVLayout) -> tuple[list[tor
     except Exception as exc:  # safetensors, json, key and value errors all mean "unusable"
         log.warning("a K/V block failed its check (%s): its tokens are recomputed", exc)
         return None
-    return list(kv[0].unbind()), list(kv[1].unbind())
+    return kv

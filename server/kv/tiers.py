@@ -18,7 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.kv.block_store import BlockKV, BlockStore, addresses, join_blocks
+import torch
+
+from server.kv.block_store import BlockStore, addresses, join_blocks
 from server.kv.disk_tier import DiskTier
 from server.kv.pool import KVLayout
 from server.kv.snapshot import Snapshot
@@ -146,7 +148,7 @@ class TierStore:
         """From the block store (blocking: call off the loop): the leading run of `usable_ids`' blocks on disk
         (with `key`'s partial last block), continued from the shared tier where the disk stops."""
         full = addresses(fingerprint, self.block_size, key.tenant, usable_ids)
-        blocks: list[BlockKV] = []
+        blocks: list[torch.Tensor] = []
         tail_block, origin = None, "disk"
         if self.disk is not None:
             tail = self.disk.tail(key, fingerprint, usable_ids)
@@ -161,7 +163,7 @@ class TierStore:
         blocks += [tail_block] if tail_block is not None else []
         if not blocks:
             return None
-        k, v = join_blocks(blocks, layout.num_layers)
+        k, v = join_blocks(blocks)
         snap = Snapshot(key, model_id, fingerprint, list(usable_ids[: k[0].shape[1]]), k, v, origin=origin)
         with self._lock:
             if origin == "disk" and snap.nbytes <= self.host_budget_bytes and key not in self._deleted:

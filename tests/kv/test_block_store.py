@@ -34,8 +34,8 @@ def kv(num_tokens: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tu
 def test_a_block_round_trips_bit_exact(dtype):
     k, v = kv(3, dtype=dtype)
     back = decode_block("a" * 40, encode_block("a" * 40, k, v), KVLayout(2, 1, 4, dtype))
-    assert back is not None
-    assert all(torch.equal(x, y) for x, y in zip(back[0] + back[1], k + v, strict=True))
+    assert back.shape == (2, 2, 1, 3, 4)  # [K and V, layers, kv_heads, tokens, head_dim]
+    assert all(torch.equal(back[0][i], k[i]) and torch.equal(back[1][i], v[i]) for i in range(2))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "version", "address", "layout", "not_ours"])
