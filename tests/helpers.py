@@ -39,6 +39,7 @@ def request(prompt_ids, session: str | None = None, rid: str = "r", kv_source: s
     timeout_s = params.pop("timeout_s", None)
     max_unread_events = params.pop("max_unread_events", None)
     use_cache = params.pop("use_cache", True)
+    constraint = params.pop("constraint", None)
     params.setdefault("temperature", 0.0)
     key = SessionKey("default", session) if session else None
     return GenerationRequest(
@@ -50,6 +51,7 @@ def request(prompt_ids, session: str | None = None, rid: str = "r", kv_source: s
         use_cache=use_cache,
         timeout_s=timeout_s,
         max_unread_events=max_unread_events,
+        constraint=constraint,
     )
 
 

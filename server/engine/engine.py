@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from server.engine.config import EngineConfig
+from server.engine.grammar import Grammars
 from server.engine.handle import RequestHandle
 from server.engine.inbox import Inbox, Query, Submission
 from server.engine.loop import EngineLoop, EngineStats
@@ -44,7 +45,9 @@ class Engine:
         self.offloader = Offloader(self.runner.pool, self.blocks, store, tiers, self.model_id, self.fingerprint)
         self.scheduler = Scheduler(self.blocks, config, self.offloader)
         self._inbox = Inbox()
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_ids)
         self.loop = EngineLoop(loaded, store, self.runner, self.blocks, self.offloader, self.scheduler, self._inbox)
+        self.loop.grammars = self.grammars
         self._num_submitted = 0  # written by the event loop only
         self.query_timeout_s = QUERY_TIMEOUT_S
         self._thread = threading.Thread(target=self.loop.run, name=f"engine-{self.model_id}", daemon=True)

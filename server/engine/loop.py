@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from server.engine.grammar import Grammars, apply_bitmask
 from server.engine.inbox import WAKE, Inbox, Query, Submission
 from server.engine.model_runner import ModelRunner
 from server.engine.request import CANCELLED, SHUTTING_DOWN, SLOW_READER, Admitted, Failed, Finished
 from server.engine.sampler import batch_greedy, batch_sample
 from server.engine.scheduler import Admission, Row, Scheduler
-from server.engine.sequence import Sequence
+from server.engine.sequence import Sequence, SequenceStatus
 from server.kv import offload
 from server.kv.blocks import BlockManager
 from server.kv.offload import Offloader
@@ -71,6 +72,7 @@ class EngineLoop:
         self.num_done = 0  # requests answered for good; read by others through the published stats
         self.stats = EngineStats(num_blocks=blocks.num_blocks)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix=f"kv-loader-{self.model_id}")
+        self.grammars: Grammars | None = None  # the engine's, for the masks of constrained rows
 
     def run(self) -> None:
         """The engine thread's body, until the inbox closes; then everything still here is answered."""
@@ -196,6 +198,7 @@ class EngineLoop:
 
     def _postprocess(self, rows: list[Row], logits: torch.Tensor) -> None:
         sampled = [row.seq for row in rows if row.is_sampled]
+        self._mask(sampled, logits)
         greedy = [index for index, seq in enumerate(sampled) if seq.sampler.is_plain_greedy]
         drawn = [index for index, seq in enumerate(sampled) if seq.sampler.is_plain_sampled]
         chosen: dict[int, int] = {}
@@ -214,8 +217,26 @@ class EngineLoop:
             if row.seq.request.is_prefill_only and row.seq.is_prefilled:
                 self._finish(row.seq, Finished("length", row.seq.usage()), is_complete=True)
 
+    def _mask(self, sampled: list[Sequence], logits: torch.Tensor) -> None:
+        """Constrained rows: the tokens their grammars forbid get -inf, before any row samples."""
+        rows = [index for index, seq in enumerate(sampled) if seq.constraint is not None]
+        if not rows or self.grammars is None:
+            return
+        try:
+            bitmask = self.grammars.fill_masks([sampled[i].constraint for i in rows])  # type: ignore[misc]
+            with torch.inference_mode():  # the logits are the forward pass's inference tensors
+                masked = logits[rows]
+                apply_bitmask(masked, bitmask)
+                logits[rows] = masked
+        except Exception:
+            log.exception("computing grammar masks failed for %d requests", len(rows))
+            for index in rows:
+                self._finish(sampled[index], Failed("internal_error", "the output grammar failed"), is_complete=False)
+
     def _sample(self, seq: Sequence, logits: torch.Tensor, chosen: int | None) -> None:
         """Accept the token already chosen for this sequence (a batched argmax or draw), or sample its own."""
+        if seq.status is SequenceStatus.FINISHED:
+            return  # failed in this step already (its grammar's mask)
         try:
             delta = seq.accept(chosen, None) if chosen is not None else seq.accept(*seq.sampler.sample(logits))
         except torch.OutOfMemoryError:

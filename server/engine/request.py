@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.engine.grammar import Constraint
 from server.errors import Refused
 from server.sessions.record import SessionKey, Usage
 
@@ -43,6 +44,7 @@ class GenerationRequest:
     messages: list[dict[str, Any]] | None = None  # chat: the messages this prompt renders (kept in the record)
     timeout_s: float | None = None
     max_unread_events: int | None = None  # a stream left unread past this many events is ended (slow reader)
+    constraint: Constraint | None = None  # structured output: every token must fit this (fresh) grammar
 
     @property
     def is_prefill_only(self) -> bool:

@@ -50,7 +50,10 @@ class Sequence:
         params = request.params
         self.sampler = Sampler(params, request.prompt_ids, loaded.vocab_size, loaded.device)
         self.detok = Detokenizer(loaded.tokenizer, params.stop)
-        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(loaded.eos_ids))
+        self.constraint = request.constraint
+        # A grammar that is done allows only the end of sequence: it ends the reply even with ignore_eos.
+        ends = set() if params.ignore_eos and self.constraint is None else set(loaded.eos_ids)
+        self._stop_ids = set(params.stop_token_ids) | ends
         self._max_context = loaded.max_context
 
     @property
@@ -80,6 +83,8 @@ class Sequence:
         """A sampled token: stop rules, then the text that became final (None while nothing did)."""
         self.token_ids.append(token_id)
         self.sampler.observe(token_id)
+        if self.constraint is not None and token_id not in self._stop_ids and not self.constraint.consume(token_id):
+            raise RuntimeError(f"the output grammar refused token {token_id}: {self.constraint.error}")
         if token_id in self._stop_ids:
             text, self.finish_reason = self.detok.flush(), "stop"
         else:
