@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,8 @@ class GenerationRequest:
     timeout_s: float | None = None
     max_unread_events: int | None = None  # a stream left unread past this many events is ended (slow reader)
     constraint: Constraint | None = None  # structured output: every token must fit this (fresh) grammar
+    tools: list[dict[str, Any]] | None = None  # chat: the tool definitions the prompt renders (kept in the record)
+    reply: Callable[[str], dict[str, Any]] | None = None  # chat: the reply's text -> the message the record keeps
 
     @property
     def is_prefill_only(self) -> bool:

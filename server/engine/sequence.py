@@ -111,11 +111,14 @@ class Sequence:
         return Usage(self.num_prompt, len(self.token_ids) - self.num_prompt, self.num_cached)
 
     def completed_turn(self, finish_reason: str) -> CompletedTurn:
+        text, reply = "".join(self.text_parts), self.request.reply
         return CompletedTurn(
             transcript_ids=list(self.token_ids),
-            text="".join(self.text_parts),
+            text=text,
             finish_reason=finish_reason,
             usage=self.usage(),
             messages=self.request.messages,
             is_base=self.request.is_prefill_only,
+            reply=reply(text) if reply is not None and not self.request.is_prefill_only else None,
+            tools=self.request.tools,
         )

@@ -82,10 +82,20 @@ def choice_logprobs(meta: Meta, items: Sequence[TokenLogprob] | None, token_text
     return chat_logprobs(items, token_text) if meta.is_chat else text_logprobs(items, token_text, offset)
 
 
-def full_response(meta: Meta, text: str, finish_reason: str, usage: Usage, logprobs) -> dict:
-    choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+def finish_reason_of(finish_reason: str, calls: list[dict] | None) -> str:
+    """A reply that called tools finished for that reason (OpenAI's), whatever ended its tokens."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def full_response(
+    meta: Meta, text: str, finish_reason: str, usage: Usage, logprobs, calls: list[dict] | None = None
+) -> dict:
+    choice: dict = {"index": 0, "finish_reason": finish_reason_of(finish_reason, calls), "logprobs": logprobs}
     if meta.is_chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        message: dict = {"role": "assistant", "content": text or None if calls else text, "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        choice["message"] = message
     else:
         choice["text"] = text
     return {**meta.envelope(chunk=False), "choices": [choice], "usage": usage_dict(usage)}
@@ -101,6 +111,19 @@ def delta_chunk(meta: Meta, text: str | None, finish_reason: str | None = None, 
     else:
         choice["text"] = text or ""
     return {**meta.envelope(chunk=True), "choices": [choice]}
+
+
+def tool_call_chunks(meta: Meta, calls: list[dict], first_index: int) -> list[dict]:
+    """OpenAI's streamed tool calls: per call, a delta naming it (id, name, empty arguments), then its arguments."""
+    out = []
+    for index, call in enumerate(calls, first_index):
+        head = {"index": index, "id": call["id"], "type": "function"}
+        head["function"] = {"name": call["function"]["name"], "arguments": ""}
+        body = {"index": index, "function": {"arguments": call["function"]["arguments"]}}
+        for part in (head, body):
+            choice = {"index": 0, "delta": {"tool_calls": [part]}, "finish_reason": None, "logprobs": None}
+            out.append({**meta.envelope(chunk=True), "choices": [choice]})
+    return out
 
 
 def usage_chunk(meta: Meta, usage: Usage) -> dict:

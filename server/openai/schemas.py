@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
+
+from server.openai.formats import ResponseFormat, ToolCall, ToolFields
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 MAX_STOP = 16
@@ -16,15 +19,16 @@ StopString = Annotated[str, Field(min_length=1, max_length=256)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP)]
 SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN, description="1-128 characters of [A-Za-z0-9_-]")]
 
-# Fields OpenAI defines that kvserve does not implement yet, with the values that mean "not used".
+# Fields OpenAI defines that kvserve does not implement, with the values that mean "not used": accepted with those
+# (clients send defaults), a 400 naming the field otherwise, and left out of the OpenAPI document.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
-    **dict.fromkeys(("suffix", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"), (None,)),
-    **dict.fromkeys(("response_format", "audio", "modalities", "prediction", "web_search_options"), (None,)),
-    **dict.fromkeys(("reasoning_effort", "service_tier", "store", "metadata"), (None,)),
+    **dict.fromkeys(("suffix", "functions", "function_call", "audio", "modalities", "prediction"), (None,)),
+    **dict.fromkeys(("web_search_options", "reasoning_effort", "service_tier", "store", "metadata"), (None,)),
 }
+COMPLETION_UNSUPPORTED = UNSUPPORTED | dict.fromkeys(("tools", "tool_choice", "parallel_tool_calls"), (None,))
 
 
 SURROGATE = re.compile("[\ud800-\udfff]")
@@ -71,31 +75,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+Unused = SkipJsonSchema[Any]  # accepted with its "not used" value, never documented as a feature
+
+
 class _Unsupported(WireModel):
     """Declares the unimplemented fields so clients get a 400 naming the field they set."""
 
-    n: int | None = None
-    best_of: int | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    reasoning_effort: Any = None
-    service_tier: Any = None
-    store: Any = None
-    metadata: Any = None
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
+    n: Unused = None
+    best_of: Unused = None
+    echo: Unused = None
+    suffix: Unused = None
+    functions: Unused = None
+    function_call: Unused = None
+    audio: Unused = None
+    modalities: Unused = None
+    prediction: Unused = None
+    web_search_options: Unused = None
+    reasoning_effort: Unused = None
+    service_tier: Unused = None
+    store: Unused = None
+    metadata: Unused = None
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> _Unsupported:
-        reject_unsupported(self, UNSUPPORTED)
+        reject_unsupported(self, self.unsupported)
         return self
 
 
@@ -134,8 +138,13 @@ class SamplingFields(_Unsupported):
 
 
 class CompletionRequest(SamplingFields):
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_UNSUPPORTED
     prompt: str | list[int] | list[str] | list[list[int]] = Field(..., description="text or token ids")
     logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = Field(None, description="structured output, as on chat completions")
+    tools: Unused = None
+    tool_choice: Unused = None
+    parallel_tool_calls: Unused = None
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -159,17 +168,50 @@ class TextPart(BaseModel):
     text: str
 
 
+def text_parts_only(parts: Any) -> Any:
+    """Content parts other than text (images, audio, files) are a 400 naming the part's type."""
+    if isinstance(parts, list):
+        for part in parts:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", None):
+                raise PydanticCustomError(
+                    "unsupported_parameter",
+                    "content parts of type '{kind}' are not supported: this server's models read text only",
+                    {"kind": str(kind)[:40]},
+                )
+    return parts
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128, description="an assistant's calls")
+    tool_call_id: str | None = Field(None, max_length=256, description="a tool message: the call it answers")
+    refusal: SkipJsonSchema[None] = None  # echoed assistant messages carry "refusal": null
+
+    _text_only = field_validator("content", mode="before")(text_parts_only)
+
+    @model_validator(mode="after")
+    def _fits_its_role(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("value_error", "a tool message needs 'tool_call_id'")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError(
+                "value_error", "'content' may be null only on an assistant message with tool_calls"
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("value_error", "only assistant messages carry 'tool_calls'")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

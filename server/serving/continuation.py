@@ -16,19 +16,27 @@ caller falls back to a full render and the engine reuses the longest common pref
 
 from __future__ import annotations
 
+from typing import Any
+
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
+from server.serving.tools import ToolUse, for_template, tool_format
 from server.sessions.record import Session
 
 PLACEHOLDER = "kvserve-seen-message-{}"
 
 
-def render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: bool) -> str:
+def render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: bool, tools: ToolUse | None = None) -> str:
     tokenizer = loaded.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise ApiError(400, "invalid_parameter", f"model {loaded.spec.id!r} has no chat template", "messages")
+    shown, definitions = for_template(messages, tools, tool_format(template))
+    extra: dict[str, Any] = {"tools": definitions} if definitions else {}
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return tokenizer.apply_chat_template(
+            shown, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+        )
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's to fix
         raise ApiError(400, "invalid_parameter", f"chat template rejected the messages: {exc}", "messages") from exc
 
@@ -38,32 +46,56 @@ def tokenize(loaded: LoadedModel, text: str) -> list[int]:
     return loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def prompt_ids(loaded: LoadedModel, messages: list[dict], session: Session | None) -> list[int]:
+def prompt_ids(
+    loaded: LoadedModel, messages: list[dict], session: Session | None, tools: ToolUse | None = None
+) -> list[int]:
     """The prompt for `messages`: the session's transcript + the new messages when they extend it."""
     if session is not None:
-        ids = continued_ids(loaded, messages, session)
+        ids = continued_ids(loaded, messages, session, tools)
         if ids is not None:
             return ids
-    return tokenize(loaded, render(loaded, messages, add_generation_prompt=True))
+    return tokenize(loaded, render(loaded, messages, add_generation_prompt=True, tools=tools))
 
 
-def continued_ids(loaded: LoadedModel, messages: list[dict], session: Session) -> list[int] | None:
+def continued_ids(
+    loaded: LoadedModel, messages: list[dict], session: Session, tools: ToolUse | None = None
+) -> list[int] | None:
     seen, transcript = session.messages, session.transcript_ids
     if not seen or not transcript or len(messages) <= len(seen) or messages[: len(seen)] != seen:
         return None  # nothing seen, or the history was edited: longest common prefix instead
-    placeholders = [{**m, "content": PLACEHOLDER.format(i)} for i, m in enumerate(seen)]
+    if session.tools != (tools.definitions() if tools is not None and tools.specs else None):
+        return None  # other tools: the prompt's tool section differs from the transcript's
+    # A seen message's whole rendering (its calls included) is in the transcript: only its place is needed.
+    placeholders = [_placeholder(m, i) for i, m in enumerate(seen)]
     last = placeholders[-1]["content"]
-    full = render(loaded, placeholders + messages[len(seen) :], add_generation_prompt=True)
+    full = render(loaded, placeholders + messages[len(seen) :], add_generation_prompt=True, tools=tools)
     if full.count(last) != 1:
         return None  # the template rewrote the placeholder itself: no safe place to cut
     new_text = full[full.index(last) + len(last) :]  # the last seen message's closing, then the new messages
-    held = _held_closing(loaded, placeholders, last, transcript, is_reply=seen[-1]["role"] == "assistant")
+    is_reply = seen[-1]["role"] == "assistant"
+    held = _held_closing(loaded, placeholders, last, transcript, is_reply, tools)
     if not new_text.startswith(held):
         return None
     return transcript + tokenize(loaded, new_text[len(held) :])
 
 
-def _held_closing(loaded: LoadedModel, placeholders: list[dict], last: str, transcript: list[int], is_reply: bool):
+def _placeholder(message: dict[str, Any], index: int) -> dict[str, Any]:
+    kept = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
+    return {
+        **kept,
+        "role": "user" if message["role"] == "tool" else message["role"],
+        "content": PLACEHOLDER.format(index),
+    }
+
+
+def _held_closing(
+    loaded: LoadedModel,
+    placeholders: list[dict],
+    last: str,
+    transcript: list[int],
+    is_reply: bool,
+    tools: ToolUse | None,
+) -> str:
     """The part of the last seen message's closing the transcript already holds.
 
     A system prompt prefilled at creation holds all of it ('<|im_end|>\n'). A generated reply
@@ -71,7 +103,7 @@ def _held_closing(loaded: LoadedModel, placeholders: list[dict], last: str, tran
     after it; a reply cut by max_tokens or a stop string holds none of the closing.
     """
     if not is_reply:
-        alone = render(loaded, placeholders, add_generation_prompt=False)
+        alone = render(loaded, placeholders, add_generation_prompt=False, tools=tools)
         return alone[alone.index(last) + len(last) :] if last in alone else "\0"  # "\0": no match, fall back
     if transcript[-1] in loaded.eos_ids:
         return loaded.tokenizer.decode([transcript[-1]])

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from server.engine.engine import Engine
+from server.engine.grammar import Constraint
 from server.engine.handle import RequestHandle
 from server.engine.request import Admitted, Failed, GenerationRequest, SamplingParams
 from server.errors import Refused
@@ -65,6 +66,9 @@ class Serving:
         kv_source: SessionKey | None = None,
         use_cache: bool = True,
         messages: list[dict[str, Any]] | None = None,
+        constraint: Constraint | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        reply: Callable[[str], dict[str, Any]] | None = None,
     ) -> GenerationRequest:
         """The request the engine runs; `kv_source`: whose lower-tier snapshot may hold the prompt's K/V."""
         return GenerationRequest(
@@ -78,6 +82,9 @@ class Serving:
             messages=messages,
             timeout_s=self.settings.request_timeout_s,
             max_unread_events=self.settings.max_unread_events,
+            constraint=constraint,
+            tools=tools,
+            reply=reply,
         )
 
     async def start(

@@ -7,7 +7,8 @@ import re
 from server.engine.request import SamplingParams
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
-from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from server.serving.tools import canonical_arguments
 
 
 def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
@@ -38,11 +39,23 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return [_message(m) for m in req.messages]
 
 
-def _message(message) -> dict:
-    """As the chat template expects it; `name` is passed on for templates that render it."""
-    out = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+def _message(message: ChatMessage) -> dict:
+    """One normal form for a message, whoever sent it: a session's record of its reply and a client's echo of
+    that reply compare equal (content "" for null; tool call arguments as compact JSON)."""
+    out: dict = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": canonical_arguments(c.function.arguments)},
+            }
+            for c in message.tool_calls
+        ]
     return out
 
 

@@ -26,7 +26,8 @@ from server.engine.request import Event, Failed, Finished, SamplingParams, TextD
 from server.openai.errors import CODE_STATUS, ApiError
 from server.openai.responses import ResponseRequest, message_item, response_object
 from server.serving import continuation
-from server.serving.completions import event_stream, failure
+from server.serving.answers import failure
+from server.serving.completions import event_stream
 from server.serving.core import Serving, cache_headers, cancel_on_disconnect
 from server.serving.prompts import check_text_size, output_budget
 from server.sessions.record import CompletedTurn, Session, SessionKey, Usage

@@ -53,6 +53,8 @@ class CompletedTurn:
     usage: Usage
     messages: list[dict[str, Any]] | None  # the request's chat messages (None: a completion, not chat)
     is_base: bool = False  # a prefill-only request: sets the session's starting point, not a turn
+    reply: dict[str, Any] | None = None  # chat: the reply as answered (content, tool calls); None: its text
+    tools: list[dict[str, Any]] | None = None  # chat: the tool definitions the prompt rendered
 
 
 @dataclass(slots=True)
@@ -62,6 +64,7 @@ class Session:
     transcript_ids: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=lambda: [Turn(0, 0)])  # turns[0]: the base (system prompt)
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat messages the transcript holds
+    tools: list[dict[str, Any]] | None = None  # the tool definitions its prompt rendered (a change: no continuation)
     ttl_s: float = 3600.0
     parent: str | None = None  # responses: the previous response; forks: the session branched from
     extras: dict[str, Any] = field(default_factory=dict)  # what the kind's own code keeps (responses: fields, result)
@@ -80,8 +83,9 @@ class Session:
         if turn.messages is None or self.key.is_bucket:  # a bucket is a cache key: it keeps no prompt text
             self.messages = []
         else:
-            reply = [] if turn.is_base else [{"role": "assistant", "content": turn.text}]
+            reply = [] if turn.is_base else [turn.reply or {"role": "assistant", "content": turn.text}]
             self.messages = [*turn.messages, *reply]
+        self.tools = turn.tools
         mark = Turn(len(self.transcript_ids), len(self.messages))
         self.turns = [mark] if turn.is_base else [*self.turns, mark]
 
@@ -113,6 +117,7 @@ class Session:
         return {
             "transcript_ids": list(self.transcript_ids[: turns[-1].end]),
             "messages": [dict(m) for m in self.messages[: turns[-1].num_messages]],
+            "tools": self.tools,
             "turns": turns,
             "parent": self.key.name,
         }
@@ -142,6 +147,7 @@ class Session:
             "transcript_ids": self.transcript_ids,
             "turns": [[t.end, t.num_messages] for t in self.turns],
             "messages": self.messages,
+            "tools": self.tools,
             "ttl_s": self.ttl_s,
             "parent": self.parent,
             "record": self.extras,
@@ -164,6 +170,7 @@ class Session:
             transcript_ids=[int(t) for t in data["transcript_ids"]],
             turns=[Turn(int(end), int(n)) for end, n in data["turns"]],
             messages=list(data["messages"]),
+            tools=data.get("tools"),
             ttl_s=float(data["ttl_s"]),
             parent=data.get("parent"),
             extras=dict(data.get("record") or {}),

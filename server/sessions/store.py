@@ -151,6 +151,7 @@ class SessionStore(StoreSync):
                 if staged is not None:
                     session.transcript_ids, session.turns = staged.transcript_ids, staged.turns
                     session.messages, session.extras, session.rev = staged.messages, staged.extras, staged.rev
+                    session.tools = staged.tools
                 session.is_in_use = False
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
                 if is_live:

@@ -18,8 +18,20 @@ MSG = [{"role": "user", "content": "Hello"}]
 CHAT, COMPLETIONS, RESPONSES, SESSIONS = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/sessions"
 
 
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+
+
 def chat(**fields) -> dict:
     return {"model": "tiny", "messages": MSG, **fields}
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
 
 
 # (name, method, path, body: dict | bytes | None, status, code)
@@ -58,6 +70,7 @@ CASES = [
     ("top_p = 0", "post", CHAT, chat(top_p=0), 400, "invalid_parameter"),
     ("top_p > 1", "post", CHAT, chat(top_p=1.5), 400, "invalid_parameter"),
     ("huge n", "post", CHAT, chat(n=1000000), 400, "unsupported_parameter"),
+    ("a tool of no known type", "post", CHAT, chat(tools=[{"type": "web_search"}]), 400, "invalid_parameter"),
     ("oversized stop list", "post", CHAT, chat(stop=["x"] * 17), 400, "invalid_parameter"),
     ("oversized stop string", "post", CHAT, chat(stop="x" * 257), 400, "invalid_parameter"),
     ("oversized logit_bias", "post", CHAT, chat(logit_bias={str(i): 1 for i in range(1025)}), 400, "invalid_parameter"),
@@ -65,7 +78,47 @@ CASES = [
     ("seed too large", "post", CHAT, chat(seed=2**64), 400, "invalid_parameter"),
     ("bad session id characters", "post", CHAT, chat(session_id="../etc/passwd"), 400, "invalid_parameter"),
     ("session id too long", "post", CHAT, chat(session_id="a" * 129), 400, "invalid_parameter"),
-    ("unsupported tools", "post", CHAT, chat(tools=[{"type": "function"}]), 400, "unsupported_parameter"),
+    ("a tool without a function", "post", CHAT, chat(tools=[{"type": "function"}]), 400, "invalid_parameter"),
+    (
+        "tools on completions",
+        "post",
+        COMPLETIONS,
+        {"model": "tiny", "prompt": "x", "tools": []},
+        400,
+        "unsupported_parameter",
+    ),
+    (
+        "choice of an unknown tool",
+        "post",
+        CHAT,
+        chat(tools=[TOOL], tool_choice=named("other")),
+        400,
+        "invalid_parameter",
+    ),
+    (
+        "an image part",
+        "post",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [IMAGE]}]),
+        400,
+        "unsupported_parameter",
+    ),
+    (
+        "a schema the grammar cannot hold",
+        "post",
+        CHAT,
+        chat(response_format=schema_format({"uniqueItems": True})),
+        400,
+        "invalid_parameter",
+    ),
+    (
+        "a tool message without its call id",
+        "post",
+        CHAT,
+        chat(messages=[{"role": "tool", "content": "4"}]),
+        400,
+        "invalid_parameter",
+    ),
     ("unknown field", "post", CHAT, chat(frobnicate=True), 400, "unsupported_parameter"),
     ("prompt too long", "post", COMPLETIONS, {"model": "tiny", "prompt": [5] * 4097}, 400, "context_length_exceeded"),
     ("token id out of vocabulary", "post", COMPLETIONS, {"model": "tiny", "prompt": [10**6]}, 400, "invalid_parameter"),

@@ -1,0 +1,94 @@
+"""Wire shapes for structured output and tools: response_format, tools, tool_choice, tool calls."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=4096)
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema; absent: any JSON")
+    strict: bool | None = Field(None, description="the grammar enforces the schema either way")
+
+
+class ResponseFormat(BaseModel):
+    """text, json_object (any JSON object) or json_schema: enforced token by token by a grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("value_error", "response_format of type json_schema needs 'json_schema'")
+        return self
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., pattern=FUNCTION_NAME)
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema of the arguments object")
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., max_length=64)
+    arguments: str = Field(..., description="the arguments, as a JSON text")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(..., min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ToolFields(BaseModel):
+    """What chat completions add for tools and structured output."""
+
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> ToolFields:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("value_error", "tool names must be unique")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise PydanticCustomError("value_error", "tool_choice names a function that is not in 'tools'")
+        if choice == "required" and not names:
+            raise PydanticCustomError("value_error", "tool_choice 'required' needs at least one tool")
+        return self

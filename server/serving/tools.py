@@ -1,0 +1,204 @@
+"""Tools: how a request's functions reach the prompt, how calls are read back out of the reply.
+
+Two ways into the prompt. A chat template that renders tools itself (Qwen, Hermes, Llama 3.1...)
+gets them as `tools=` and the messages as OpenAI shapes them. Any other template gets the generic
+prompt (docs/api.md): the functions listed in the system message, calls written as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes convention), an assistant's
+earlier calls written back the same way and tool results sent as user messages inside
+`<tool_response>` tags. Either way the messages keep one entry per request message, so token-exact
+continuation (`continuation.py`) lines them up.
+
+Out of the reply (`tool_reader.py`): `ToolReader` takes the text as it streams, passes on the content before the first
+call, and yields each call once its block closes (Hermes `<tool_call>` blocks; for Llama-3-style
+templates also a reply that is one JSON object `{"name", "parameters"}`). The whole reply read in
+one go gives the same calls, with the same ids (derived from the request id), so a stream, a JSON
+answer and the session's record of the reply always agree. `required` and a named choice are
+enforced by a grammar (`grammar`); `auto` is read, not forced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from server.openai.formats import NamedToolChoice, ToolFields
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+GENERIC_PROMPT = (
+    "# Tools\n\nYou can call functions to help with the request. Each one is described by a JSON schema:\n"
+    "<tools>\n{tools}\n</tools>\n\nTo call a function, answer with its name and arguments as one JSON object "
+    "inside <tool_call></tool_call> tags, one block per call:\n"
+    '<tool_call>\n{{"name": "<function name>", "arguments": {{<arguments>}}}}\n</tool_call>'
+)
+
+
+@dataclass(slots=True, frozen=True)
+class ToolSpec:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass(slots=True, frozen=True)
+class ToolUse:
+    """What a request asks about tools: the functions, whether and how it must call them."""
+
+    specs: tuple[ToolSpec, ...]
+    choice: str = "auto"  # none | auto | required | function (then `function` names it)
+    function: str | None = None
+    parallel: bool = True
+
+    @property
+    def is_forced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    @property
+    def reads_calls(self) -> bool:
+        return bool(self.specs) and self.choice != "none"
+
+    def definitions(self) -> list[dict[str, Any]]:
+        return [spec.as_openai() for spec in self.specs]
+
+
+def tool_use(req: ToolFields) -> ToolUse | None:
+    """A chat request's tools (None: it has none)."""
+    if not req.tools:
+        return None
+    specs = tuple(
+        ToolSpec(t.function.name, t.function.description, t.function.parameters or {"type": "object", "properties": {}})
+        for t in req.tools
+    )
+    choice = req.tool_choice or "auto"
+    if isinstance(choice, NamedToolChoice):
+        return ToolUse(specs, "function", choice.function.name, req.parallel_tool_calls)
+    return ToolUse(specs, choice, None, req.parallel_tool_calls)
+
+
+@dataclass(slots=True, frozen=True)
+class ToolFormat:
+    native: bool  # the chat template renders tools and tool messages itself
+    style: str  # hermes | llama3_json: how the model writes a call
+
+
+@lru_cache(maxsize=64)
+def tool_format(template: str | None) -> ToolFormat:
+    """What a chat template expects: its own tool rendering (it uses `tools`), and the call syntax it teaches."""
+    text = template or ""
+    native = bool(re.search(r"\btools\b", text))
+    style = (
+        "llama3_json"
+        if native and (PYTHON_TAG in text or '"parameters"' in text) and CALL_OPEN not in text
+        else "hermes"
+    )
+    return ToolFormat(native, style)
+
+
+def canonical_arguments(arguments: str | dict[str, Any]) -> str:
+    """Arguments as compact JSON, so a client that re-serialises them still matches the session's record."""
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def call_id(request_id: str, index: int) -> str:
+    """Derived, not random: the stream, the JSON answer and the session's record name a call alike."""
+    return "call_" + hashlib.blake2b(f"{request_id}:{index}".encode(), digest_size=12).hexdigest()
+
+
+def assistant_message(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The normalized assistant message (what the session records and a client's echo is compared with)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+# -- into the prompt -------------------------------------------------------------------------
+def for_template(
+    messages: list[dict[str, Any]], tools: ToolUse | None, fmt: ToolFormat
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and tools to hand the chat template: as they are for a template that renders tools, the
+    generic prompt's rewriting otherwise. No message is added or dropped, but a system message that carries
+    the generic tool list when the conversation has none of its own."""
+    definitions = tools.definitions() if tools is not None and tools.specs else None
+    if fmt.native:
+        return [_native(m) for m in messages], definitions
+    out = [_generic(m) for m in messages]
+    if definitions:
+        listing = GENERIC_PROMPT.format(tools="\n".join(json.dumps(d, ensure_ascii=False) for d in definitions))
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{listing}"}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
+    return out, None
+
+
+def _native(message: dict[str, Any]) -> dict[str, Any]:
+    if "tool_calls" not in message:
+        return message
+    calls = [
+        {**c, "function": {**c["function"], "arguments": _loaded(c["function"]["arguments"])}}
+        for c in message["tool_calls"]
+    ]
+    return {**message, "tool_calls": calls}  # templates read arguments as an object
+
+
+def _generic(message: dict[str, Any]) -> dict[str, Any]:
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    if "tool_calls" not in message:
+        return message
+    blocks = [_call_block(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    text = "\n".join(blocks) if not message["content"] else message["content"] + "\n" + "\n".join(blocks)
+    return {"role": "assistant", "content": text}
+
+
+def _call_block(name: str, arguments: str) -> str:
+    body = json.dumps({"name": name, "arguments": _loaded(arguments)}, ensure_ascii=False)
+    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+
+
+def _loaded(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+# -- forcing calls ---------------------------------------------------------------------------
+def grammar(tools: ToolUse, style: str) -> str:
+    """A Lark grammar (llguidance's, JSON schemas embedded) for `required` or a named choice: only calls, each
+    to a declared function with arguments valid under its schema, one or (with parallel_tool_calls) more."""
+    specs = [s for s in tools.specs if tools.choice != "function" or s.name == tools.function]
+    key = "parameters" if style == "llama3_json" else "arguments"
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": spec.name}, key: spec.parameters or {"type": "object"}},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for spec in specs
+    ]
+    schema = {"anyOf": options, "x-guidance": {"whitespace_flexible": False}}
+    body = f"body: %json {json.dumps(schema)}"
+    many = tools.parallel and tools.choice != "function"
+    if style == "llama3_json":
+        more = ' (";" body)*' if many else ""
+        return f"start: body{more}\n{body}\n"
+    more = ' ("\\n" call)*' if many else ""
+    return f'start: call{more}\ncall: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\n{body}\n'

@@ -1,0 +1,230 @@
+"""Structured output and tools over HTTP on the tiny model: documents that validate, calls the grammar forces,
+streamed as OpenAI's deltas, and a tool round trip on a session that continues token-exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from server.openai.schemas import ChatCompletionRequest
+from server.serving import continuation
+from server.serving.tools import tool_use
+from server.sessions.record import SessionKey
+from server.settings import Settings
+from tests.http.conftest import wait_ready
+
+CHAT = "/v1/chat/completions"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+# A template that renders tools itself, as Hermes/Qwen-style templates do.
+NATIVE_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nFunctions: ' }}{% for t in tools %}{{ t['function']['name'] + ' ' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>' + m['content'] + '</tool_response><|im_end|>\\n' }}{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{{ '<tool_call>' + (c['function']['arguments'] | tojson) + '</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def ask(client, **body) -> dict:
+    r = client.post(CHAT, json={"model": "tiny", "temperature": 1.0, "max_tokens": 80, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_json_schema_output_always_validates(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(10):
+        body = ask(client, messages=user("Who?"), seed=seed, response_format=fmt)
+        assert body["choices"][0]["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), PERSON)
+    # Any object: a random model's keys and strings are unbounded, so some run out of tokens (as OpenAI's do).
+    objects = [ask(client, messages=user("Any"), seed=s, response_format={"type": "json_object"}) for s in range(6)]
+    done = [o["choices"][0]["message"]["content"] for o in objects if o["choices"][0]["finish_reason"] == "stop"]
+    assert done
+    assert all(isinstance(json.loads(text), dict) for text in done)
+    assert all(o["choices"][0]["message"]["content"].startswith("{") for o in objects)
+    text = ask(client, messages=user("Anything"), seed=3, response_format={"type": "text"}, max_tokens=8)
+    assert text["choices"][0]["message"]["content"]  # free text, as without a format
+
+
+def test_completions_take_a_response_format_too(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    body = {
+        "model": "tiny",
+        "prompt": "Person:",
+        "max_tokens": 80,
+        "temperature": 1.0,
+        "seed": 1,
+        "response_format": fmt,
+    }
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), PERSON)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_calls_are_valid_calls_of_declared_functions(client, parallel):
+    for seed in range(5):
+        body = ask(
+            client, messages=user("Weather?"), seed=seed, tools=[WEATHER, ADD], tool_choice="required",
+            parallel_tool_calls=parallel,
+        )  # fmt: skip
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["content"] is None
+        calls = choice["message"]["tool_calls"]
+        assert calls
+        assert parallel or len(calls) == 1
+        for call in calls:
+            tool = {"get_weather": WEATHER, "add": ADD}[call["function"]["name"]]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+            assert call["id"].startswith("call_")
+            assert call["type"] == "function"
+        assert len({c["id"] for c in calls}) == len(calls)
+
+
+def test_a_named_tool_choice_calls_that_function(client):
+    choice = {"type": "function", "function": {"name": "add"}}
+    body = ask(client, messages=user("Sum"), seed=2, tools=[WEATHER, ADD], tool_choice=choice)
+    (call,) = body["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "add"
+
+
+def test_streamed_tool_calls_add_up_to_the_same_calls(client):
+    body = {"messages": user("Weather?"), "seed": 4, "tools": [WEATHER], "tool_choice": "required"}
+    whole = ask(client, **body)["choices"][0]["message"]["tool_calls"]
+    body["session_id"] = "streamed-calls"
+    calls: dict[int, dict] = {}
+    finish = None
+    with client.stream(
+        "POST", CHAT, json={"model": "tiny", "temperature": 1.0, "max_tokens": 80, "stream": True, **body}
+    ) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            finish = choice["finish_reason"] or finish
+            for part in choice["delta"].get("tool_calls", []):
+                call = calls.setdefault(part["index"], {"id": None, "name": "", "arguments": ""})
+                call["id"] = part.get("id") or call["id"]
+                call["name"] += part.get("function", {}).get("name", "")
+                call["arguments"] += part.get("function", {}).get("arguments", "")
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole
+    ]  # the same seed: the same calls, streamed or whole
+    recorded = client.app.state.host.store.view(SessionKey("default", "streamed-calls")).messages[-1]["tool_calls"]
+    assert [c["id"] for c in recorded] == [c["id"] for c in calls.values()]  # the session names them alike
+
+
+def round_trip(client, sid: str, tools: list[dict], respaced: bool = False) -> tuple[dict, dict, list[int]]:
+    """Turn 1 calls a tool; turn 2 sends the call back (as returned, or re-serialised) with its result. Returns
+    both answers and turn 1's transcript."""
+    messages = user("What is the weather in Paris?")
+    first = ask(client, messages=messages, seed=5, tools=tools, tool_choice="required", session_id=sid)
+    transcript = client.app.state.host.store.view(SessionKey("default", sid)).transcript_ids
+    message = first["choices"][0]["message"]
+    if respaced:  # as LangChain does: the arguments parsed and dumped again
+        for call in message["tool_calls"]:
+            call["function"]["arguments"] = json.dumps(json.loads(call["function"]["arguments"]), indent=1)
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": '{"sky": "clear"}'} for c in message["tool_calls"]]
+    second = ask(client, messages=[*messages, message, *results], tools=tools, session_id=sid, max_tokens=6, seed=1)
+    return first, second, transcript
+
+
+def assert_continued(client, sid: str, second: dict, transcript: list[int]) -> None:
+    """Turn 2's prompt is turn 1's exact transcript plus the new tokens, and reused all of it."""
+    session = client.app.state.host.store.view(SessionKey("default", sid))
+    assert session.num_turns == 2
+    assert session.transcript_ids[: len(transcript)] == transcript
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(transcript) - 1
+
+
+@pytest.mark.parametrize("respaced", [False, True])
+def test_a_tool_round_trip_on_a_session_continues_token_exactly(client, respaced):
+    sid = f"tools-{respaced}"
+    first, second, transcript = round_trip(client, sid, [WEATHER], respaced)
+    assert_continued(client, sid, second, transcript)
+    session = client.app.state.host.store.view(SessionKey("default", sid))
+    assert session.messages[1]["tool_calls"][0]["id"] == first["choices"][0]["message"]["tool_calls"][0]["id"]
+    assert session.tools == [WEATHER]
+
+
+def test_other_tools_on_the_next_turn_are_a_new_prompt_not_a_continuation(client):
+    first, _second, _ = round_trip(client, "tools-changed", [WEATHER])
+    messages = [*user("What is the weather in Paris?"), first["choices"][0]["message"]]
+    messages.append({"role": "tool", "tool_call_id": messages[1]["tool_calls"][0]["id"], "content": "sunny"})
+    before = client.app.state.host.store.view(SessionKey("default", "tools-changed")).transcript_ids
+    ask(client, messages=messages, tools=[WEATHER, ADD], session_id="tools-changed", max_tokens=4)
+    # The generic prompt lists the tools in the system message: the new list is rendered, not the old transcript's.
+    after = client.app.state.host.store.view(SessionKey("default", "tools-changed")).transcript_ids
+    tokenizer = client.app.state.host.engines["tiny"].loaded.tokenizer
+    assert '"add"' not in tokenizer.decode(before)
+    assert '"add"' in tokenizer.decode(after)
+
+
+def test_the_generic_prompt_lists_the_tools_and_a_native_template_renders_them_itself(tiny_spec, tiny):
+    tools = tool_use(ChatCompletionRequest(model="tiny", messages=user("Hi"), tools=[WEATHER]))
+    generic = continuation.render(tiny, user("Hi"), True, tools)
+    for part in ("<tools>", '"get_weather"', "<tool_call>"):
+        assert part in generic
+    tokenizer = tiny.tokenizer.__class__.from_pretrained(tiny_spec.source)
+    tokenizer.chat_template = NATIVE_TEMPLATE
+    rendered = continuation.render(dataclasses.replace(tiny, tokenizer=tokenizer), user("Hi"), True, tools)
+    assert rendered.startswith("<|im_start|>system\nFunctions: get_weather")
+    assert "<tools>" not in rendered
+
+
+def test_a_native_tool_template_round_trip_is_token_exact(tiny_spec):
+    spec = dataclasses.replace(tiny_spec, id="tiny", chat_template=NATIVE_TEMPLATE)
+    with TestClient(create_app(Settings(), specs=[spec])) as native:
+        wait_ready(native)
+        _first, second, transcript = round_trip(native, "native", [WEATHER])
+        assert_continued(native, "native", second, transcript)
