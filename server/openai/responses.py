@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from server.openai.schemas import WireModel, reject_unsupported
+from server.openai.formats import FUNCTION_NAME, MAX_TOOLS
+from server.openai.schemas import SESSION_ID_PATTERN, WireModel, reject_unsupported
 
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"
+ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference")
 
 # Fields of the Responses API kvserve does not implement, with the values that mean "not used".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "auto", "none"),
-    "parallel_tool_calls": (None, False, True),
     "reasoning": (None,),
     "include": (None, []),
     "background": (None, False),
@@ -27,9 +26,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     "service_tier": (None, "auto", "default"),
     "stream_options": (None,),
-    "prompt_cache_key": (None,),
     "safety_identifier": (None,),
 }
+Unused = SkipJsonSchema[Any]
 
 
 class InputPart(BaseModel):
@@ -40,6 +39,19 @@ class InputPart(BaseModel):
     logprobs: list[Any] | None = None
 
 
+def _text_parts(parts: Any) -> Any:
+    if isinstance(parts, list):
+        for part in parts:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text", None):
+                raise PydanticCustomError(
+                    "unsupported_parameter",
+                    "content parts of type '{kind}' are not supported: this server's models read text only",
+                    {"kind": str(kind)[:40]},
+                )
+    return parts
+
+
 class InputMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["message"] | None = None
@@ -48,14 +60,105 @@ class InputMessage(BaseModel):
     id: str | None = Field(None, max_length=256)
     status: str | None = Field(None, max_length=32)
 
-    def as_chat(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    _text_only = field_validator("content", mode="before")(_text_parts)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call"]
+    call_id: str = Field(..., min_length=1, max_length=256)
+    name: str = Field(..., max_length=64)
+    arguments: str
+    id: str | None = Field(None, max_length=256)
+    status: str | None = Field(None, max_length=32)
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call_output"]
+    call_id: str = Field(..., min_length=1, max_length=256)
+    output: str | list[InputPart]
+    id: str | None = Field(None, max_length=256)
+    status: str | None = Field(None, max_length=32)
+
+    _text_only = field_validator("output", mode="before")(_text_parts)
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class ItemReference(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["item_reference"]
+    id: str = Field(..., min_length=1, max_length=256, description="an item of a response kvserve stored")
+
+
+def _item_type(item: Any) -> str | None:
+    """An item's tag; None (an unknown type) fails validation, and `_known_items` names it first."""
+    kind = (item.get("type") if isinstance(item, dict) else getattr(item, "type", None)) or "message"
+    return str(kind) if kind in ITEM_TYPES else None
+
+
+def _known_items(items: Any) -> Any:
+    for item in items if isinstance(items, list) else []:
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind is not None and kind not in ITEM_TYPES:
+            raise PydanticCustomError(
+                "unsupported_parameter", "input items of type '{kind}' are not supported", {"kind": str(kind)[:40]}
+            )
+    return items
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ItemReference, Tag("item_reference")],
+    Discriminator(_item_type),
+]
+
+
+class FunctionTool(BaseModel):
+    """A Responses API function tool (the flat shape: name and parameters beside the type)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str = Field(..., pattern=FUNCTION_NAME)
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+def _function_tools_only(tools: Any) -> Any:
+    for tool in tools or []:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "tools of type '{kind}' are not supported (function tools are)",
+                {"kind": str(kind)[:40]},
+            )
+    return tools
+
+
+class ChosenTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    name: str = Field(..., pattern=FUNCTION_NAME)
 
 
 class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
+    """text.format: text, json_object, or json_schema (name, schema, strict beside the type)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=4096)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class TextConfig(BaseModel):
@@ -74,8 +177,9 @@ class ResponseRequest(WireModel):
             ]
         },
     )
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
     model: str = Field(..., min_length=1, max_length=256)
-    input: str | list[InputMessage] = Field(..., description="text (one user message) or a list of messages")
+    input: str | list[InputItem] = Field(..., description="text (one user message) or a list of input items")
     instructions: str | None = Field(None, description="a system message for this response only (not inherited)")
     previous_response_id: str | None = Field(None, pattern=RESPONSE_ID_PATTERN)
     max_output_tokens: int | None = Field(None, ge=1)
@@ -87,85 +191,35 @@ class ResponseRequest(WireModel):
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = Field(None, max_length=256)
     text: TextConfig | None = None
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | ChosenTool | None = None
+    parallel_tool_calls: bool = True
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN, description="an explicit session, as on chat")
+    prompt_cache_key: str | None = Field(None, max_length=256, description="a cache bucket shared by many requests")
     cache_prompt: bool = Field(True, description="false: reuse no cached K/V (for no-cache baselines)")
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    reasoning: Any = None
-    include: Any = None
-    background: Any = None
-    truncation: Any = None
-    conversation: Any = None
-    prompt: Any = None
-    max_tool_calls: Any = None
-    top_logprobs: Any = None
-    service_tier: Any = None
-    stream_options: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
+    reasoning: Unused = None
+    include: Unused = None
+    background: Unused = None
+    truncation: Unused = None
+    conversation: Unused = None
+    prompt: Unused = None
+    max_tool_calls: Unused = None
+    top_logprobs: Unused = None
+    service_tier: Unused = None
+    stream_options: Unused = None
+    safety_identifier: Unused = None
+
+    _function_tools = field_validator("tools", mode="before")(_function_tools_only)
+    _known_input = field_validator("input", mode="before")(_known_items)
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> ResponseRequest:
-        reject_unsupported(self, UNSUPPORTED)
+        reject_unsupported(self, self.unsupported)
         if isinstance(self.input, list) and not self.input:
-            raise PydanticCustomError("value_error", "input must hold at least one message")
+            raise PydanticCustomError("value_error", "input must hold at least one item")
+        names = [t.name for t in self.tools or []]
+        if isinstance(self.tool_choice, ChosenTool) and self.tool_choice.name not in names:
+            raise PydanticCustomError("value_error", "tool_choice names a function that is not in 'tools'")
+        if self.tool_choice == "required" and not names:
+            raise PydanticCustomError("value_error", "tool_choice 'required' needs at least one tool")
         return self
-
-    def input_messages(self) -> list[dict]:
-        if isinstance(self.input, str):
-            return [{"role": "user", "content": self.input}]
-        return [m.as_chat() for m in self.input]
-
-
-def usage_object(usage: list[int] | None) -> dict[str, Any] | None:
-    """[prompt, completion, cached] tokens as the Responses API's usage."""
-    if usage is None:
-        return None
-    prompt, completion, cached = usage
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + completion,
-    }
-
-
-def message_item(response_id: str, status: str, text: str | None) -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    item_id = "msg_" + response_id.removeprefix("resp_")
-    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
-
-
-def response_object(response_id: str, model: str, record: dict[str, Any], parent: str | None) -> dict[str, Any]:
-    """The Response resource, from a stored response's record (request fields, status, output, usage)."""
-    status, text = record.get("status", "in_progress"), record.get("output_text")
-    output = []
-    if text is not None:
-        item_status = status if status in ("completed", "incomplete") else "in_progress"
-        output.append(message_item(response_id, item_status, text))
-    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": record.get("created_at", int(time.time())),
-        "status": status,
-        "model": model,
-        "output": output,
-        "usage": usage_object(record.get("usage")),
-        "previous_response_id": parent,
-        "instructions": record.get("instructions"),
-        "max_output_tokens": record.get("max_output_tokens"),
-        "temperature": record.get("temperature", 1.0),
-        "top_p": record.get("top_p", 1.0),
-        "store": record.get("store", True),
-        "metadata": record.get("metadata") or {},
-        "user": record.get("user"),
-        "incomplete_details": incomplete,
-        "error": record.get("error"),
-        "parallel_tool_calls": False,
-        "tool_choice": "auto",
-        "tools": [],
-        "text": {"format": {"type": "text"}},
-        "truncation": "disabled",
-    }

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 
@@ -23,7 +23,7 @@ from server.errors import Refused
 from server.hosting import ModelHost
 from server.metrics import Metrics
 from server.openai.errors import ApiError
-from server.openai.schemas import SESSION_ID_PATTERN, SamplingFields
+from server.openai.schemas import SESSION_ID_PATTERN
 from server.sessions.record import SessionKey
 
 log = logging.getLogger("kvserve.requests")
@@ -162,7 +162,16 @@ def cache_headers(admitted: Admitted) -> dict[str, str]:
     return {"X-Cache": verdict, "X-Cache-Source": admitted.source}
 
 
-def session_key(req: SamplingFields, http: Request, tenant: str) -> SessionKey | None:
+class NamesSession(Protocol):
+    """A request body that may name a session (session_id) or a cache bucket (prompt_cache_key)."""
+
+    @property
+    def session_id(self) -> str | None: ...
+    @property
+    def prompt_cache_key(self) -> str | None: ...
+
+
+def session_key(req: NamesSession, http: Request, tenant: str) -> SessionKey | None:
     """The body's session_id or the X-Session-ID header (they must agree), else a prompt_cache_key bucket."""
     header = http.headers.get(SESSION_HEADER)
     if header is not None:

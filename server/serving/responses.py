@@ -1,57 +1,47 @@
-"""POST/GET/DELETE /v1/responses: the OpenAI Responses API on top of sessions.
+"""POST/GET/DELETE /v1/responses (and its input items): the OpenAI Responses API on top of sessions.
 
 A stored response is a record of kind `response` in the session store: its transcript holds
 input + output tokens, its messages what it rendered, and its extras (the format is this
-module's) the request fields and the result. `previous_response_id` continues from that node:
-the prompt is the parent's transcript plus the new input's tokens (token-exact), its K/V
-found in the pool by prefix or restored from the parent's snapshot. A retried request with
-the same parent branches from the same node again; the parent never changes.
+module's) the request fields, the input items and the result. `previous_response_id` continues
+from that node: the prompt is the parent's transcript plus the new input's tokens (token-exact),
+its K/V found in the pool by prefix or restored from the parent's snapshot. A retried request
+with the same parent branches from the same node again; the parent never changes.
+
+A request may also name a session (`session_id`, `X-Session-ID`) or a cache bucket
+(`prompt_cache_key`), meaning what they mean on chat completions: the turn runs on that session
+(locked, continued token-exactly, recorded there), and the stored response is written from the
+session's state once the turn is recorded, before the final event is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
-from sse_starlette import ServerSentEvent
 
-from server.engine.handle import RequestHandle
-from server.engine.request import Event, Failed, Finished, SamplingParams, TextDelta
-from server.openai.errors import CODE_STATUS, ApiError
-from server.openai.responses import ResponseRequest, message_item, response_object
-from server.serving import continuation
-from server.serving.answers import failure
+from server.engine.request import SamplingParams
+from server.openai.errors import ApiError
+from server.openai.response_objects import response_object
+from server.openai.responses import ResponseRequest
+from server.serving import continuation, structured
 from server.serving.completions import event_stream
-from server.serving.core import Serving, cache_headers, cancel_on_disconnect
+from server.serving.core import SESSION_HEADER, Serving, cache_headers, session_key
 from server.serving.prompts import check_text_size, output_budget
-from server.sessions.record import CompletedTurn, Session, SessionKey, Usage
+from server.serving.response_items import messages_of, resolve, stored_items
+from server.serving.response_run import KIND, ResponseRun, not_found, result
+from server.serving.tool_reader import ToolReader, read_reply
+from server.serving.tools import responses_tool_use, tool_format
+from server.sessions.record import CompletedTurn, Session, SessionKey
 from server.sessions.store import SessionStore
 
-KIND = "response"
 
-
-def not_found(response_id: str, param: str | None = None) -> ApiError:
-    return ApiError(404, "response_not_found", f"no stored response {response_id!r}", param)
-
-
-def result(finish_reason: str, text: str, usage: Usage) -> dict[str, Any]:
-    """A finished response's part of its record."""
-    return {
-        "status": "completed" if finish_reason == "stop" else "incomplete",
-        "output_text": text,
-        "finish_reason": finish_reason,
-        "usage": [usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens],
-    }
-
-
-def request_fields(req: ResponseRequest) -> dict[str, Any]:
-    """A new response's record: what the Response object repeats of its request, and its status."""
+def request_fields(req: ResponseRequest, items: list[dict[str, Any]]) -> dict[str, Any]:
+    """A new response's record: what the Response object repeats of its request, its input, its status."""
+    choice = req.tool_choice
+    fmt = req.text.format if req.text is not None and req.text.format is not None else None
     return {
         "created_at": int(time.time()),
         "instructions": req.instructions,
@@ -62,12 +52,18 @@ def request_fields(req: ResponseRequest) -> dict[str, Any]:
         "user": req.user,
         "store": req.store,
         "status": "in_progress",
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+        "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str) else choice,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "text_format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt is not None else None,
+        "input_items": items,
     }
 
 
 def record_turn(extras: dict[str, Any], turn: CompletedTurn) -> None:
     """The store's hook for responses: the result is journaled with the transcript, before the final event."""
-    extras.update(result(turn.finish_reason, turn.text, turn.usage))
+    reply = turn.reply or {"content": turn.text}
+    extras.update(result(turn.finish_reason, reply["content"], turn.usage, reply.get("tool_calls", [])))
 
 
 def drop_unfinished(store: SessionStore) -> None:
@@ -97,57 +93,85 @@ class Responses:
             raise ApiError(400, "session_model_mismatch", message, "model")
         return parent
 
-    def _messages(self, req: ResponseRequest, parent: Session | None) -> list[dict[str, Any]]:
+    def _stored(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+        view = self.store.view(SessionKey(tenant, response_id, KIND))
+        return view.extras if view is not None else None
+
+    def _messages(self, req: ResponseRequest, parent: Session | None, items: list[dict]) -> list[dict[str, Any]]:
         """Instructions apply to this response only; the conversation is the parent's plus the new input."""
         history = []
         if parent is not None:
             history = parent.messages[1:] if parent.extras.get("instructions") is not None else parent.messages
         own = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-        return own + history + req.input_messages()
+        return own + history + messages_of(items)
 
     async def create(self, req: ResponseRequest, http: Request, tenant: str) -> Any:
         serving, s = self.serving, self.settings
         engine = serving.engine(req.model)
+        named = session_key(req, http, tenant)  # a session or a bucket: the turn runs there
         parent = await self._parent(req, tenant, engine.model_id)
-        messages = self._messages(req, parent)
+        response_id = "resp_" + uuid.uuid4().hex
+        items = stored_items(response_id, req)
+        resolved = await serving.off_loop(resolve, items, lambda rid: self._stored(tenant, rid))
+        messages = self._messages(req, parent, resolved)
         check_text_size(engine.loaded, [m["content"] for m in messages], "input")
-        prompt_ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, parent)
+        view = await self._session_view(named, engine.model_id)
+        tools, style = responses_tool_use(req), tool_format(engine.loaded.tokenizer.chat_template).style
+        base = view if named is not None else parent  # whose transcript the prompt continues
+        prompt_ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, base, tools)
+        fmt = req.text.format if req.text is not None else None
+        schema = structured.schema_of(fmt.type, fmt.schema_) if fmt is not None else None
+        constraint = await structured.constraint(engine, schema, tools, style)
         budget = output_budget(
             engine.loaded, len(prompt_ids), req.max_output_tokens, s.default_max_tokens, s.max_tokens_limit
         )
-        response_id = "resp_" + uuid.uuid4().hex
-        record = request_fields(req)
+        record = request_fields(req, items)
         key = SessionKey(tenant, response_id, KIND) if req.store else None
         if key is not None:
             serving.check_quota(key, len(prompt_ids) + budget, engine)  # before the record exists
-            ttl = s.response_retention_s
+        if key is not None and named is None:  # the record is the engine's session: it records the turn
             create = self.store.create
+            ttl = s.response_retention_s
             await serving.off_loop(
                 create, key, engine.model_id, ttl, parent=req.previous_response_id, extras=dict(record)
             )
+        session = named if named is None else serving.session_for(named, len(prompt_ids) + budget, engine)
         gen = serving.request(
             request_id=response_id,
             prompt_ids=prompt_ids,
             params=SamplingParams(max_tokens=budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed),
             tenant=tenant,
-            session=key,
-            kv_source=parent.key if parent is not None else None,
+            session=key if named is None else session,
+            kv_source=(parent.key if parent is not None else None) if named is None else _kv_source(session),
             use_cache=req.cache_prompt,
             messages=messages,
+            constraint=constraint,
+            tools=tools.definitions() if tools is not None else None,
+            reply=lambda text: read_reply(text, tools, style, response_id),
         )
         started = time.monotonic()
         try:
             handle, admitted = await serving.start(engine, gen, http)
         except BaseException:
-            if key is not None:
+            if key is not None and named is None:
                 self.store.delete(key)
             raise
-        run = _Run(response_id, engine.model_id, record, req.previous_response_id, key, self.store)
+        reader = ToolReader(tools, style, response_id) if tools is not None and tools.reads_calls else None
+        parent_id, retention = req.previous_response_id, s.response_retention_s
+        run = ResponseRun(response_id, engine.model_id, record, parent_id, self.store, reader, key, session, retention)
         headers = cache_headers(admitted)
+        if session is not None and not session.is_bucket:
+            headers[SESSION_HEADER] = session.name
         events = serving.metrics.meter(handle, engine.model_id, started)
         if req.stream:
             return event_stream(run.events(handle, events), headers)
         return await run.collect(handle, events, http, headers)
+
+    async def _session_view(self, named: SessionKey | None, model_id: str) -> Session | None:
+        if named is None or named.is_bucket:
+            return None
+        view = await self.serving.off_loop(self.store.view, named)
+        return view if view is not None and view.model_id == model_id else None
 
     def get(self, response_id: str, tenant: str) -> dict[str, Any]:
         view = self.store.view(SessionKey(tenant, response_id, KIND))
@@ -155,91 +179,26 @@ class Responses:
             raise not_found(response_id)
         return response_object(response_id, view.model_id, view.extras, view.parent)
 
+    def input_items(self, response_id: str, tenant: str, limit: int, order: str, after: str | None) -> dict[str, Any]:
+        """The items a stored response was given (references as they were sent), OpenAI's list shape."""
+        record = self._stored(tenant, response_id)
+        if record is None:
+            raise not_found(response_id)
+        items = list(record.get("input_items", []))
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        page = items[:limit]
+        first, last = (page[0].get("id"), page[-1].get("id")) if page else (None, None)
+        return {"object": "list", "data": page, "first_id": first, "last_id": last, "has_more": len(items) > limit}
+
     def delete(self, response_id: str, tenant: str) -> dict[str, Any]:
         if not self.store.delete(SessionKey(tenant, response_id, KIND)):
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-class _Run:
-    """One response being generated: collected into JSON, or streamed as Responses API events."""
-
-    def __init__(
-        self,
-        response_id: str,
-        model: str,
-        record: dict[str, Any],
-        parent: str | None,
-        key: SessionKey | None,
-        store: SessionStore,
-    ) -> None:
-        self.response_id, self.model, self.record, self.parent = response_id, model, record, parent
-        self.key, self.store = key, store
-        self.sequence_number = 0
-        self.is_finished = False
-
-    def _object(self, **state: Any) -> dict[str, Any]:
-        return response_object(self.response_id, self.model, {**self.record, **state}, self.parent)
-
-    def _finished(self, text: str, event: Finished) -> dict[str, Any]:
-        self.is_finished = True
-        return self._object(**result(event.finish_reason, text, event.usage))
-
-    def _forget_unfinished(self) -> None:
-        if self.key is not None and not self.is_finished:
-            self.store.delete(self.key)  # nothing to continue from: a failed or abandoned response is not kept
-
-    async def collect(
-        self, handle: RequestHandle, events: AsyncIterator[Event], http: Request, headers: dict[str, str]
-    ) -> JSONResponse:
-        parts = []
-        watcher = asyncio.create_task(cancel_on_disconnect(http, handle))
-        try:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    parts.append(event.text)
-                elif isinstance(event, Finished):
-                    return JSONResponse(self._finished("".join(parts), event), headers=headers)
-                elif isinstance(event, Failed):
-                    return JSONResponse(failure(event), CODE_STATUS.get(event.code, 500), headers=headers)
-        finally:
-            watcher.cancel()
-            handle.cancel()
-            self._forget_unfinished()
-        raise ApiError(500, "internal_error", "generation ended without a result")
-
-    def _event(self, kind: str, **fields: Any) -> ServerSentEvent:
-        data = {"type": kind, "sequence_number": self.sequence_number, **fields}
-        self.sequence_number += 1
-        return ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event=kind, sep="\n")
-
-    async def events(self, handle: RequestHandle, events: AsyncIterator[Event]) -> AsyncIterator[ServerSentEvent]:
-        item_id = "msg_" + self.response_id.removeprefix("resp_")
-        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-        try:
-            yield self._event("response.created", response=self._object())
-            yield self._event("response.in_progress", response=self._object())
-            yield self._event(
-                "response.output_item.added", output_index=0, item=message_item(self.response_id, "in_progress", None)
-            )
-            empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            yield self._event("response.content_part.added", **where, part=empty)
-            parts = []
-            async for event in events:
-                if isinstance(event, TextDelta) and event.text:
-                    parts.append(event.text)
-                    yield self._event("response.output_text.delta", **where, delta=event.text, logprobs=[])
-                elif isinstance(event, Finished):
-                    text = "".join(parts)
-                    yield self._event("response.output_text.done", **where, text=text, logprobs=[])
-                    yield self._event("response.content_part.done", **where, part={**empty, "text": text})
-                    item = message_item(self.response_id, "completed", text)
-                    yield self._event("response.output_item.done", output_index=0, item=item)
-                    final = self._finished(text, event)
-                    yield self._event(f"response.{final['status']}", response=final)
-                elif isinstance(event, Failed):
-                    error = {"code": event.code, "message": event.message}
-                    yield self._event("response.failed", response=self._object(status="failed", error=error))
-        finally:
-            handle.cancel()
-            self._forget_unfinished()
+def _kv_source(session: SessionKey | None) -> SessionKey | None:
+    return session if session is not None and not session.is_bucket else None

@@ -20,14 +20,19 @@ from server.serving import tools as tool_calls
 from server.serving.tools import ToolUse
 
 
-def format_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:
-    """The JSON schema a response_format asks for (None: free text)."""
-    if response_format is None or response_format.type == "text":
+def schema_of(kind: str, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON schema an output format asks for (None: free text)."""
+    if kind == "text":
         return None
-    if response_format.type == "json_object":
-        return {"type": "object"}
-    assert response_format.json_schema is not None
-    return response_format.json_schema.schema_ or {}
+    return {"type": "object"} if kind == "json_object" else schema or {}
+
+
+def format_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:
+    """Chat and completions' response_format."""
+    if response_format is None:
+        return None
+    spec = response_format.json_schema
+    return schema_of(response_format.type, spec.schema_ if spec is not None else None)
 
 
 def grammar_text(schema: dict[str, Any] | None, tools: ToolUse | None, style: str) -> tuple[str, str] | None:

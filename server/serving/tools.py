@@ -26,8 +26,10 @@ from functools import lru_cache
 from typing import Any
 
 from server.openai.formats import NamedToolChoice, ToolFields
+from server.openai.responses import ResponseRequest
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 PYTHON_TAG = "<|python_tag|>"
 GENERIC_PROMPT = (
     "# Tools\n\nYou can call functions to help with the request. Each one is described by a JSON schema:\n"
@@ -77,13 +79,23 @@ def tool_use(req: ToolFields) -> ToolUse | None:
     if not req.tools:
         return None
     specs = tuple(
-        ToolSpec(t.function.name, t.function.description, t.function.parameters or {"type": "object", "properties": {}})
-        for t in req.tools
+        ToolSpec(t.function.name, t.function.description, t.function.parameters or NO_PARAMETERS) for t in req.tools
     )
     choice = req.tool_choice or "auto"
     if isinstance(choice, NamedToolChoice):
         return ToolUse(specs, "function", choice.function.name, req.parallel_tool_calls)
     return ToolUse(specs, choice, None, req.parallel_tool_calls)
+
+
+def responses_tool_use(req: ResponseRequest) -> ToolUse | None:
+    """A Responses API request's function tools (the flat shape)."""
+    if not req.tools:
+        return None
+    specs = tuple(ToolSpec(t.name, t.description, t.parameters or NO_PARAMETERS) for t in req.tools)
+    choice = req.tool_choice or "auto"
+    if isinstance(choice, str):
+        return ToolUse(specs, choice, None, req.parallel_tool_calls)
+    return ToolUse(specs, "function", choice.name, req.parallel_tool_calls)
 
 
 @dataclass(slots=True, frozen=True)

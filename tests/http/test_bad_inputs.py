@@ -125,6 +125,22 @@ CASES = [
     ("batched prompts", "post", COMPLETIONS, {"model": "tiny", "prompt": ["a", "b"]}, 400, "unsupported_parameter"),
     ("responses: empty input", "post", RESPONSES, {"model": "tiny", "input": []}, 400, "invalid_parameter"),
     (
+        "responses: an item type it does not know",
+        "post",
+        RESPONSES,
+        {"model": "tiny", "input": [{"type": "reasoning", "summary": []}]},
+        400,
+        "unsupported_parameter",
+    ),
+    (
+        "responses: an image part",
+        "post",
+        RESPONSES,
+        {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        400,
+        "unsupported_parameter",
+    ),
+    (
         "responses: bad previous id",
         "post",
         RESPONSES,

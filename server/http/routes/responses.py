@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Path, Request
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request
 
 from server.http import deps
 from server.openai.responses import RESPONSE_ID_PATTERN, ResponseRequest
@@ -29,6 +31,18 @@ def get_response(  # a plain def: FastAPI runs it on a worker thread (the store 
     tenant: str = Depends(deps.tenant),
 ) -> dict:
     return responses.get(response_id, tenant)
+
+
+@router.get("/v1/responses/{response_id}/input_items", summary="The input items a stored response was given")
+def list_input_items(  # a plain def: FastAPI runs it on a worker thread (the store may wait on Redis)
+    response_id: str = ResponsePath,
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = Query("desc", description="desc: newest first (OpenAI's default)"),
+    after: str | None = Query(None, max_length=256, description="an item id: list the ones after it"),
+    responses: Responses = Depends(deps.responses),
+    tenant: str = Depends(deps.tenant),
+) -> dict:
+    return responses.input_items(response_id, tenant, limit, order, after)
 
 
 @router.delete("/v1/responses/{response_id}", summary="Delete a stored response and its K/V snapshots")
