@@ -103,12 +103,16 @@ def _item_type(item: Any) -> str | None:
 
 
 def _known_items(items: Any) -> Any:
+    """Unsupported item types and content parts are named before the union's own errors (which would say
+    "Input should be a valid string", the first member's)."""
     for item in items if isinstance(items, list) else []:
         kind = item.get("type") if isinstance(item, dict) else None
         if kind is not None and kind not in ITEM_TYPES:
             raise PydanticCustomError(
                 "unsupported_parameter", "input items of type '{kind}' are not supported", {"kind": str(kind)[:40]}
             )
+        if isinstance(item, dict):
+            _text_parts(item.get("content", item.get("output")))
     return items
 
 
