@@ -9,6 +9,7 @@ from server.http.auth import DEFAULT_TENANT
 from server.serving.completions import Completions
 from server.serving.responses import Responses
 from server.serving.sessions import Sessions
+from server.serving.tokens import Tokens
 
 
 def completions(request: Request) -> Completions:
@@ -21,6 +22,10 @@ def sessions(request: Request) -> Sessions:
 
 def responses(request: Request) -> Responses:
     return request.app.state.responses
+
+
+def tokens(request: Request) -> Tokens:
+    return request.app.state.tokens
 
 
 def host(request: Request) -> ModelHost:

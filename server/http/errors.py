@@ -70,7 +70,13 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # FastAPI's own 400 is a body it could not decode (e.g. invalid UTF-8): as invalid as bad JSON.
         code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(error_body(exc.status_code, code, str(exc.detail)), exc.status_code)
+        where = f"{request.method} {request.url.path[:200]}"
+        message = {404: f"no such route: {where}", 405: f"{where}: method not allowed on this route"}
+        return JSONResponse(
+            error_body(exc.status_code, code, message.get(exc.status_code, str(exc.detail))),
+            exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

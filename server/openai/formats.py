@@ -92,3 +92,28 @@ class ToolFields(BaseModel):
         if choice == "required" and not names:
             raise PydanticCustomError("value_error", "tool_choice 'required' needs at least one tool")
         return self
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt as it is (`prompt`), or messages through the model's chat template (`messages`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(..., min_length=1, max_length=256)
+    prompt: str | None = Field(None, description="text, tokenized as /v1/completions does")
+    messages: list[dict[str, Any]] | None = Field(None, max_length=4096, description="chat messages, as on chat")
+    add_generation_prompt: bool = Field(True, description="with messages: end with the assistant's header")
+    add_special_tokens: bool = Field(True, description="with prompt: the tokenizer's own (BOS...)")
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS, description="with messages: tools to render")
+    return_token_strs: bool = Field(False, description="also each token's text")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("value_error", "give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(..., min_length=1, max_length=256)
+    tokens: list[int] = Field(..., max_length=1 << 20)

@@ -1,0 +1,58 @@
+"""POST /tokenize and /detokenize: what a prompt is in tokens, with or without the chat template, and back."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pydantic import ValidationError
+
+from server.openai.errors import ApiError
+from server.openai.formats import DetokenizeRequest, TokenizeRequest
+from server.openai.schemas import ChatCompletionRequest
+from server.serving import continuation
+from server.serving.core import Serving
+from server.serving.prompts import chat_messages, check_text_size
+from server.serving.tools import tool_use
+
+
+class Tokens:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        loaded = self.serving.engine(req.model).loaded
+        if req.prompt is not None:
+            check_text_size(loaded, [req.prompt], "prompt")
+            ids = await asyncio.to_thread(
+                lambda: loaded.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
+            )
+            tokens = list(ids["input_ids"])
+        else:
+            chat = _as_chat(req)
+            messages = chat_messages(chat)
+            check_text_size(loaded, [m["content"] for m in messages], "messages")
+            text = await asyncio.to_thread(
+                continuation.render, loaded, messages, req.add_generation_prompt, tool_use(chat)
+            )
+            tokens = continuation.tokenize(loaded, text)
+        body: dict[str, Any] = {"count": len(tokens), "max_model_len": loaded.max_context, "tokens": tokens}
+        if req.return_token_strs:
+            body["token_strs"] = loaded.tokenizer.convert_ids_to_tokens(tokens)
+        return body
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        loaded = self.serving.engine(req.model).loaded
+        if any(not 0 <= t < loaded.vocab_size for t in req.tokens):
+            raise ApiError(400, "invalid_parameter", f"token ids must be in [0, {loaded.vocab_size})", "tokens")
+        return {"prompt": await asyncio.to_thread(loaded.tokenizer.decode, req.tokens)}
+
+
+def _as_chat(req: TokenizeRequest) -> ChatCompletionRequest:
+    """The messages (and tools) checked exactly as chat completions checks them."""
+    try:
+        return ChatCompletionRequest(model=req.model, messages=req.messages, tools=req.tools)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "messages"
+        raise ApiError(400, "invalid_parameter", f"'{where}': {err['msg']}", where) from exc

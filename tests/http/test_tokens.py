@@ -1,0 +1,53 @@
+"""POST /tokenize and /detokenize, and routes or parts the server does not have, named in the error envelope."""
+
+from __future__ import annotations
+
+from server.serving import continuation
+
+
+def test_tokenize_a_prompt_and_messages_and_back(client, tiny):
+    r = client.post("/tokenize", json={"model": "tiny", "prompt": "Hello world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tiny.tokenizer("Hello world")["input_ids"]
+    assert body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == tiny.max_context
+    assert len(body["token_strs"]) == body["count"]
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.post("/tokenize", json={"model": "tiny", "messages": messages}).json()
+    rendered = continuation.render(tiny, messages, add_generation_prompt=True)
+    assert chat["tokens"] == continuation.tokenize(tiny, rendered)  # what a chat request's prompt is
+    back = client.post("/detokenize", json={"model": "tiny", "tokens": chat["tokens"]}).json()
+    assert back["prompt"] == rendered
+    bare = client.post("/tokenize", json={"model": "tiny", "messages": messages, "add_generation_prompt": False})
+    assert bare.json()["count"] < chat["count"]
+
+
+def test_tokenize_refuses_what_chat_refuses(client):
+    for body, param in (
+        ({"model": "tiny"}, None),
+        ({"model": "tiny", "prompt": "x", "messages": []}, None),
+        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"model": "nope", "prompt": "x"}, "model"),
+    ):
+        r = client.post("/tokenize", json=body)
+        assert r.status_code in (400, 404), r.text
+        if param:
+            assert r.json()["error"]["param"] == param
+    r = client.post("/detokenize", json={"model": "tiny", "tokens": [10**7]})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "tokens"
+
+
+def test_unknown_routes_and_methods_answer_in_the_envelope_naming_them(client):
+    r = client.post("/v1/embeddings", json={"model": "tiny", "input": "x"})
+    assert r.status_code == 404
+    assert r.json()["error"] == {
+        "message": "no such route: POST /v1/embeddings",
+        "type": "not_found_error",
+        "param": None,
+        "code": "not_found",
+    }
+    r = client.delete("/v1/models")
+    assert r.status_code == 405
+    assert "DELETE /v1/models" in r.json()["error"]["message"]
