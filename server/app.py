@@ -6,13 +6,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI
 
 from server import __version__
 from server.hosting import ModelHost
-from server.http import errors
+from server.http import errors, openapi
 from server.http.auth import KeyRing, announce, load_keys
 from server.http.connections import throttle_accept_errors
 from server.http.gate import Gate
@@ -63,9 +62,11 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
         version=__version__,
         description="OpenAI-compatible text generation that continues sessions from their cached K/V.",
         lifespan=lifespan_of(settings, specs, keys),
+        docs_url=None,  # ours, served from a package: openapi.install
+        redoc_url=None,
     )
     errors.install(app)
-    open_paths = {"/health", "/ready"} | (set() if settings.metrics_needs_key else {"/metrics"})
+    open_paths = set(openapi.OPEN_PATHS) | (set() if settings.metrics_needs_key else {"/metrics"})
 
     def count(route: str, status: int, seconds: float) -> None:
         if hasattr(app.state, "metrics"):
@@ -80,26 +81,8 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
         on_response=count,
         replica=settings.replica_id,
     )
-    cap_output_tokens(app, settings.max_tokens_limit)
+    openapi.install(app, settings.max_tokens_limit)
     routers = (completions, chat, responses, models, sessions, tokens, health, metrics)
     for router in (module.router for module in routers):
         app.include_router(router)
     return app
-
-
-def cap_output_tokens(app: FastAPI, limit: int) -> None:
-    """Show the server's max_tokens limit in the OpenAPI schema (clients and schema-driven tests see it)."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = build()  # caches itself in app.openapi_schema
-            for component in schema.get("components", {}).get("schemas", {}).values():
-                for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-                    field = component.get("properties", {}).get(name)
-                    for option in (field or {}).get("anyOf", [field] if field else []):
-                        if option.get("type") == "integer":
-                            option["maximum"] = limit
-        return app.openapi_schema or {}
-
-    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema

@@ -16,7 +16,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from server.engine.request import Event, Failed, Finished, TextDelta
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+# Up to 30 minutes: on a CPU a long prompt's first token, or a long answer, takes minutes, not 40 s.
+LATENCY_BUCKETS = (
+    *(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0),
+    *(60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0),
+)
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 class Metrics:
@@ -54,6 +59,11 @@ class Metrics:
 
     def on_response(self, route: str, status: int, seconds: float) -> None:
         self.http_requests.labels(route, str(status)).inc()
+
+    def on_refused(self, route: str, model: str, code: str) -> None:
+        """A generation request answered with an error before it ran (a 400 included): a failure too."""
+        if route in GENERATION_ROUTES:
+            self.failed.labels(model, code).inc()
 
     async def meter(self, events: AsyncIterator[Event], model: str, started: float) -> AsyncIterator[Event]:
         """Pass a request's events through, timing its tokens and counting its usage."""

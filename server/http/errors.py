@@ -52,9 +52,18 @@ def _is_type_tag(part) -> bool:
     )
 
 
+def _counted(request: Request, err: ApiError) -> ApiError:
+    """A refused generation request counts in the failure series (the model is unknown if the body was not valid)."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.on_refused(request.url.path, getattr(request.state, "model", "unknown"), err.code)
+    return err
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        _counted(request, exc)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Refused)
@@ -63,7 +72,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(exc)
+        err = _counted(request, validation_error(exc))
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)

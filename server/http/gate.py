@@ -19,6 +19,7 @@ from server.http.auth import DEFAULT_TENANT, KeyRing
 from server.openai.errors import error_body
 
 log = logging.getLogger("kvserve.access")
+DOCS_PREFIX = "/docs/"  # the API docs' static files need no key, like /docs itself
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -108,8 +109,10 @@ class Gate:
         if not self.keys:
             return DEFAULT_TENANT
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        tenant = self.keys.tenant_for(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
-        if tenant is None and path in self.open_paths:
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        token = token or headers.get("x-api-key", "").strip()  # Anthropic's clients send the key so
+        tenant = self.keys.tenant_for(token) if token else None
+        if tenant is None and (path in self.open_paths or path.startswith(DOCS_PREFIX)):
             return DEFAULT_TENANT  # /health, /ready (and /metrics when configured so) need no key
         return tenant
 
@@ -150,7 +153,7 @@ class Gate:
 
 
 def _auth_message(headers: dict) -> str:
-    if not headers.get("authorization"):
+    if not headers.get("authorization") and not headers.get("x-api-key"):
         return "this server needs an API key: send 'Authorization: Bearer <key>'"
     return "invalid API key"
 

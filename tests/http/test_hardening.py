@@ -44,14 +44,13 @@ def chat(client, key, sid, content="Hello world", **extra):
     [
         ("get", "/v1/models"),
         ("get", "/metrics"),
-        ("get", "/openapi.json"),
         ("get", "/v1/sessions"),
         ("post", CHAT),
         ("post", "/v1/responses"),
         ("get", "/v1/sessions/x"),
     ],
 )
-def test_every_route_but_health_and_ready_needs_a_key(guarded, method, path):
+def test_every_route_but_health_ready_and_the_docs_needs_a_key(guarded, method, path):
     not_bearer = ({"Authorization": f"Basic {ALICE}"}, {"Authorization": f"Token {ALICE}"}, {"Authorization": ALICE})
     for headers in ({}, auth("sk-wrong-key-00"), *not_bearer):  # none, unknown, a valid key in another scheme
         r = getattr(guarded, method)(path, headers=headers)
@@ -61,6 +60,15 @@ def test_every_route_but_health_and_ready_needs_a_key(guarded, method, path):
         assert r.headers["www-authenticate"] == "Bearer"
     assert guarded.get("/health").status_code == 200
     assert guarded.get("/ready").status_code == 200
+    assert getattr(guarded, method)(path, headers={"x-api-key": ALICE}).status_code != 401  # Anthropic's header
+
+
+def test_the_api_docs_need_no_key(guarded):
+    """A browser opening /docs sends no key; the document describes the API, no tenant's data."""
+    page = guarded.get("/docs")
+    assert page.status_code == 200
+    assert guarded.get("/openapi.json").status_code == 200
+    assert guarded.get("/docs/static/swagger-ui-bundle.js").status_code == 200
 
 
 def test_a_bad_body_without_a_key_is_401_not_400(guarded):
@@ -146,7 +154,7 @@ def test_body_size_and_max_tokens_limits(guarded):
     r = chat(guarded, ALICE, None, max_tokens=65)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "max_tokens"
-    schema = guarded.get("/openapi.json", headers=auth(ALICE)).json()["components"]["schemas"]
+    schema = guarded.get("/openapi.json").json()["components"]["schemas"]
     assert {"type": "integer", "minimum": 1, "maximum": 64} in schema["ChatCompletionRequest"]["properties"][
         "max_tokens"
     ]["anyOf"]

@@ -16,4 +16,5 @@ async def create_chat_completion(
     completions: Completions = Depends(deps.completions),
     tenant: str = Depends(deps.tenant),
 ):
+    request.state.model = body.model  # the failure series' label, should it be refused
     return await completions.chat(body, request, tenant)

@@ -16,4 +16,5 @@ async def create_completion(
     completions: Completions = Depends(deps.completions),
     tenant: str = Depends(deps.tenant),
 ):
+    request.state.model = body.model  # the failure series' label, should it be refused
     return await completions.completion(body, request, tenant)

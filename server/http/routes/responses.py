@@ -21,6 +21,7 @@ async def create_response(
     responses: Responses = Depends(deps.responses),
     tenant: str = Depends(deps.tenant),
 ):
+    request.state.model = body.model  # the failure series' label, should it be refused
     return await responses.create(body, request, tenant)
 
 
