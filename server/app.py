@@ -15,11 +15,12 @@ from server.http import errors, openapi
 from server.http.auth import KeyRing, announce, load_keys
 from server.http.connections import throttle_accept_errors
 from server.http.gate import Gate
-from server.http.routes import chat, completions, health, metrics, models, responses, sessions, tokens
+from server.http.routes import chat, completions, health, messages, metrics, models, responses, sessions, tokens
 from server.metrics import Metrics
 from server.models.loader import ModelSpec
 from server.serving.completions import Completions
 from server.serving.core import Serving
+from server.serving.messages import Messages
 from server.serving.responses import Responses
 from server.serving.sessions import Sessions
 from server.serving.tokens import Tokens
@@ -44,6 +45,7 @@ def lifespan_of(settings: Settings, specs: list[ModelSpec] | None, keys: KeyRing
         app.state.sessions = Sessions(serving)
         app.state.responses = Responses(serving)
         app.state.tokens = Tokens(serving)
+        app.state.messages = Messages(serving)
         host.start()
         try:
             yield
@@ -82,7 +84,7 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
         replica=settings.replica_id,
     )
     openapi.install(app, settings.max_tokens_limit)
-    routers = (completions, chat, responses, models, sessions, tokens, health, metrics)
+    routers = (completions, chat, responses, messages, models, sessions, tokens, health, metrics)
     for router in (module.router for module in routers):
         app.include_router(router)
     return app

@@ -15,13 +15,22 @@ import pytest
 
 SERVER = Path(__file__).resolve().parents[1] / "server"
 WEB = ("fastapi", "pydantic", "pydantic_settings", "starlette", "sse_starlette", "uvicorn")
-ABOVE_ENGINE = ("server.http", "server.openai", "server.serving", "server.app", "server.settings", "server.metrics")
+ABOVE_ENGINE = (
+    "server.http",
+    "server.openai",
+    "server.anthropic",
+    "server.serving",
+    "server.app",
+    "server.settings",
+    "server.metrics",
+)
 RULES = {  # folder -> module prefixes it must not import
     "sessions": (*WEB, *ABOVE_ENGINE, "torch", "transformers", "safetensors", "server.engine", "server.kv"),
     "kv": (*WEB, *ABOVE_ENGINE, "server.engine", "server.models", "server.hosting"),
     "engine": (*WEB, *ABOVE_ENGINE, "server.hosting"),
     "models": (*WEB, *ABOVE_ENGINE, "server.engine", "server.hosting"),
     "openai": ("server.engine", "server.kv", "server.models", "server.serving", "server.http", "torch"),
+    "anthropic": ("server.engine", "server.kv", "server.models", "server.serving", "server.http", "torch"),
     "serving": ("server.http", "server.app"),
 }
 

@@ -24,6 +24,7 @@ class Detokenizer:
         self._read_offset = 0
         self._text = ""  # all final text so far
         self._num_emitted = 0  # characters of _text already released
+        self.matched: str | None = None  # the stop string that ended the output, once one did
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Feed one generated token. Returns (text to release, whether a stop string ended the output)."""
@@ -56,6 +57,7 @@ class Detokenizer:
             cut = _first_stop(pending, self._stop)
             if cut is not None:
                 self._num_emitted = len(self._text)
+                self.matched = min((s for s in self._stop if pending.find(s) == cut), key=len)
                 return pending[:cut], True
             if not is_final:
                 pending = pending[: len(pending) - _held_tail(pending, self._stop)]

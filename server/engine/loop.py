@@ -249,7 +249,7 @@ class EngineLoop:
         if delta is not None:
             seq.handle.push(delta)
         if seq.finish_reason is not None:
-            self._finish(seq, Finished(seq.finish_reason, seq.usage()), is_complete=True)
+            self._finish(seq, Finished(seq.finish_reason, seq.usage(), seq.detok.matched), is_complete=True)
 
     def _finish(self, seq: Sequence, event: Finished | Failed, is_complete: bool) -> None:
         if not self.scheduler.remove(seq):

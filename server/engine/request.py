@@ -81,6 +81,7 @@ class TextDelta:
 class Finished:
     finish_reason: str  # "stop" | "length"
     usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended it (None: end of sequence, or length)
 
 
 @dataclass(slots=True, frozen=True)

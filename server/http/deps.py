@@ -7,6 +7,7 @@ from fastapi import Request
 from server.hosting import ModelHost
 from server.http.auth import DEFAULT_TENANT
 from server.serving.completions import Completions
+from server.serving.messages import Messages
 from server.serving.responses import Responses
 from server.serving.sessions import Sessions
 from server.serving.tokens import Tokens
@@ -22,6 +23,10 @@ def sessions(request: Request) -> Sessions:
 
 def responses(request: Request) -> Responses:
     return request.app.state.responses
+
+
+def messages(request: Request) -> Messages:
+    return request.app.state.messages
 
 
 def tokens(request: Request) -> Tokens:

@@ -9,10 +9,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.anthropic.answers import error_envelope
 from server.errors import Refused
 from server.openai.errors import ApiError, error_body
 
 log = logging.getLogger("kvserve.api")
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
@@ -60,11 +62,19 @@ def _counted(request: Request, err: ApiError) -> ApiError:
     return err
 
 
+def envelope(path: str, status: int, code: str, message: str, param: str | None = None) -> dict:
+    """The error body clients of that route parse: Anthropic's on /v1/messages, OpenAI's everywhere else."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return error_envelope(status, code, message)
+    return error_body(status, code, message, param)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         _counted(request, exc)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        body = envelope(request.url.path, exc.status, exc.code, exc.message, exc.param)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Refused)
     async def _refused(request: Request, exc: Refused) -> JSONResponse:
@@ -73,7 +83,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = _counted(request, validation_error(exc))
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(envelope(request.url.path, err.status, err.code, err.message, err.param), err.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -81,8 +91,9 @@ def install(app: FastAPI) -> None:
         code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         where = f"{request.method} {request.url.path[:200]}"
         message = {404: f"no such route: {where}", 405: f"{where}: method not allowed on this route"}
+        text = message.get(exc.status_code, str(exc.detail))
         return JSONResponse(
-            error_body(exc.status_code, code, message.get(exc.status_code, str(exc.detail))),
+            envelope(request.url.path, exc.status_code, code, text),
             exc.status_code,
             headers=getattr(exc, "headers", None),
         )
@@ -90,4 +101,4 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(500, "internal_error", "internal server error"), 500)
+        return JSONResponse(envelope(request.url.path, 500, "internal_error", "internal server error"), 500)

@@ -16,7 +16,7 @@ import time
 import uuid
 
 from server.http.auth import DEFAULT_TENANT, KeyRing
-from server.openai.errors import error_body
+from server.http.errors import envelope
 
 log = logging.getLogger("kvserve.access")
 DOCS_PREFIX = "/docs/"  # the API docs' static files need no key, like /docs itself
@@ -66,12 +66,13 @@ class Gate:
         try:
             tenant = self._tenant(scope["path"], headers)
             if tenant is None:
+                message = _auth_message(headers)
                 await _error(
-                    send_tracked, 401, "invalid_api_key", _auth_message(headers), {"WWW-Authenticate": "Bearer"}
+                    send_tracked, scope["path"], 401, "invalid_api_key", message, {"WWW-Authenticate": "Bearer"}
                 )
                 return
             state["tenant"] = tenant
-            replay = await self._read_body(headers, receive, send_tracked)
+            replay = await self._read_body(scope["path"], headers, receive, send_tracked)
             if replay is not None:
                 await self._answer(scope, replay, send_tracked, outcome)
         finally:
@@ -103,7 +104,7 @@ class Gate:
             if outcome["started"] and not outcome["complete"]:
                 raise  # half a response is out: only closing the connection can tell the client
             if not outcome["started"]:
-                await _error(send, 500, "internal_error", "internal server error")
+                await _error(send, scope["path"], 500, "internal_error", "internal server error")
 
     def _tenant(self, path: str, headers: dict) -> str | None:
         if not self.keys:
@@ -116,12 +117,12 @@ class Gate:
             return DEFAULT_TENANT  # /health, /ready (and /metrics when configured so) need no key
         return tenant
 
-    async def _read_body(self, headers: dict, receive, send):
+    async def _read_body(self, path: str, headers: dict, receive, send):
         """The whole body, checked against the limit, replayed to the app; None when already answered."""
         limit = self.max_body_bytes
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await _error(send, 413, "request_too_large", f"the request body is larger than {limit} bytes")
+            await _error(send, path, 413, "request_too_large", f"the request body is larger than {limit} bytes")
             return None
         chunks, size, more = [], 0, True
         deadline = time.monotonic() + self.body_timeout_s
@@ -130,7 +131,7 @@ class Gate:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 message = f"the request body did not arrive whole within {self.body_timeout_s:g} s"
-                await _error(send, 408, "body_timeout", message, {"Connection": "close"})
+                await _error(send, path, 408, "body_timeout", message, {"Connection": "close"})
                 return None
             if message["type"] == "http.disconnect":
                 return None
@@ -138,7 +139,7 @@ class Gate:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > limit:
-                await _error(send, 413, "request_too_large", f"the request body is larger than {limit} bytes")
+                await _error(send, path, 413, "request_too_large", f"the request body is larger than {limit} bytes")
                 return None
         body, is_replayed = b"".join(chunks), False
 
@@ -158,8 +159,8 @@ def _auth_message(headers: dict) -> str:
     return "invalid API key"
 
 
-async def _error(send, status: int, code: str, message: str, extra: dict | None = None) -> None:
-    body = json.dumps(error_body(status, code, message)).encode()
+async def _error(send, path: str, status: int, code: str, message: str, extra: dict | None = None) -> None:
+    body = json.dumps(envelope(path, status, code, message)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": headers})

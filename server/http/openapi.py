@@ -85,6 +85,18 @@ ERROR_SCHEMA = {
         }
     },
 }
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}, "code": {"type": "string"}},
+        },
+    },
+}
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -116,7 +128,7 @@ def honest(schema: dict[str, Any], max_tokens_limit: int) -> dict[str, Any]:
     schemas = components.setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
-    schemas["Error"] = ERROR_SCHEMA
+    schemas["Error"], schemas["AnthropicError"] = ERROR_SCHEMA, ANTHROPIC_ERROR_SCHEMA
     components["securitySchemes"] = {
         "bearer": {"type": "http", "scheme": "bearer", "description": "an API key (KVSERVE_API_KEYS)"},
         "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "the same key"},
@@ -132,10 +144,11 @@ def honest(schema: dict[str, Any], max_tokens_limit: int) -> dict[str, Any]:
 def _correct(path: str, method: str, operation: dict[str, Any]) -> None:
     responses = operation.setdefault("responses", {})
     responses.pop("422", None)
+    error = "AnthropicError" if path.startswith("/v1/messages") else "Error"
     for status in ERRORS.get((method, path), (400, 401)):
         responses[str(status)] = {
             "description": STATUS_TEXT[status],
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}},
         }
         if status == 429:
             responses["429"]["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}

@@ -137,7 +137,7 @@ class FunctionTool(BaseModel):
 
 
 def _function_tools_only(tools: Any) -> Any:
-    for tool in tools or []:
+    for tool in tools if isinstance(tools, list) else []:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             raise PydanticCustomError(

@@ -185,7 +185,7 @@ def text_parts_only(parts: Any) -> Any:
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: list[TextPart] | str | None = None  # the list first: its errors are the ones worth reporting
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCall] | None = Field(None, max_length=128, description="an assistant's calls")
     tool_call_id: str | None = Field(None, max_length=256, description="a tool message: the call it answers")

@@ -1,0 +1,221 @@
+"""Anthropic Messages API request shapes, as far as kvserve implements them (the rest is a 400 naming it)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
+
+from server.openai.formats import FUNCTION_NAME, MAX_TOOLS
+from server.openai.schemas import SESSION_ID_PATTERN, WireModel, reject_unsupported
+
+BLOCK_TYPES = ("text", "tool_use", "tool_result")
+UNSUPPORTED: dict[str, tuple[Any, ...]] = dict.fromkeys(
+    ("container", "diagnostics", "inference_geo", "mcp_servers", "context_management"), (None,)
+)
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+
+
+class CacheControl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: SkipJsonSchema[None] = None
+
+
+class ToolUseBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_use"]
+    id: str = Field(..., min_length=1, max_length=256)
+    name: str = Field(..., max_length=64)
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+    caller: SkipJsonSchema[None] = None  # echoed blocks carry these as null
+    toolset_name: SkipJsonSchema[None] = None
+
+
+class ToolResultBlock(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(..., min_length=1, max_length=256)
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+
+def _block_type(block: Any) -> str | None:
+    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    return kind if kind in BLOCK_TYPES else None
+
+
+Block = Annotated[
+    Annotated[TextBlock, Tag("text")]
+    | Annotated[ToolUseBlock, Tag("tool_use")]
+    | Annotated[ToolResultBlock, Tag("tool_result")],
+    Discriminator(_block_type),
+]
+
+
+def known_blocks(content: Any) -> Any:
+    """Images, documents, thinking and server-tool blocks are a 400 naming the block's type."""
+    for block in content if isinstance(content, list) else []:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in BLOCK_TYPES:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "content blocks of type '{kind}' are not supported: this server's models read text and tools",
+                {"kind": str(kind)[:40]},
+            )
+    return content
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: list[Block] | str  # the list first: its errors are the ones worth reporting
+
+    _known = field_validator("content", mode="before")(known_blocks)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["custom"] | None = None
+    name: str = Field(..., pattern=FUNCTION_NAME)
+    description: str | None = Field(None, max_length=8192)
+    input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+def custom_tools_only(tools: Any) -> Any:
+    for tool in tools if isinstance(tools, list) else []:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind not in (None, "custom"):
+            message = "tools of type '{kind}' are not supported (client tools with an input_schema are)"
+            raise PydanticCustomError("unsupported_parameter", message, {"kind": str(kind)[:40]})
+    return tools
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(None, pattern=FUNCTION_NAME)
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["disabled"]
+
+
+def thinking_disabled(value: Any) -> Any:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in (None, "disabled"):
+        message = "thinking of type '{kind}' is not supported: these models do not reason apart from their answer"
+        raise PydanticCustomError("unsupported_parameter", message, {"kind": str(kind)[:40]})
+    return value
+
+
+class JsonOutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(..., alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """Structured output: the reply's text is a JSON document of this schema (held to it by a grammar)."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: JsonOutputFormat | None = None
+    effort: SkipJsonSchema[Any] = None  # no reasoning to spend effort on: refused when set
+
+    @model_validator(mode="after")
+    def _no_effort(self) -> OutputConfig:
+        reject_unsupported(self, {"effort": (None,)})
+        return self
+
+
+class Conversation(WireModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(..., min_length=1, max_length=256)
+    messages: list[Message] = Field(..., min_length=1, max_length=4096)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = Field(None, description="only {'type': 'disabled'}: these models do not reason apart")
+
+    _custom_tools = field_validator("tools", mode="before")(custom_tools_only)
+    _no_thinking = field_validator("thinking", mode="before")(thinking_disabled)
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> Conversation:
+        choice, names = self.tool_choice, [t.name for t in self.tools or []]
+        if choice is not None and choice.type == "tool" and choice.name not in names:
+            raise PydanticCustomError("value_error", "tool_choice names a tool that is not in 'tools'")
+        if choice is not None and choice.type == "any" and not names:
+            raise PydanticCustomError("value_error", "tool_choice 'any' needs at least one tool")
+        return self
+
+
+class CountTokensRequest(Conversation):
+    pass
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str | None = Field(None, max_length=256)
+
+
+Unused = SkipJsonSchema[Any]
+
+
+class MessagesRequest(Conversation):
+    max_tokens: int = Field(..., ge=0, description="0: compute and cache the prompt, generate nothing")
+    stop_sequences: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(None, max_length=16)
+    stream: bool = False
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+    speed: Literal["standard"] | None = None
+    cache_control: CacheControl | None = Field(None, description="a breakpoint on the request's last block")
+    output_config: OutputConfig | None = None
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN, description="kvserve: an explicit session")
+    prompt_cache_key: SkipJsonSchema[None] = None  # a session or nothing here: cache_control marks the prefix
+    container: Unused = None
+    diagnostics: Unused = None
+    inference_geo: Unused = None
+    mcp_servers: Unused = None
+    context_management: Unused = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> MessagesRequest:
+        reject_unsupported(self, UNSUPPORTED)
+        return self
+
+    def cache_ttl(self) -> float | None:
+        """The longest cache_control ttl anywhere in the request (None: no breakpoint)."""
+        marks = [c for c in [self.cache_control, *_cache_controls(self)] if c is not None]
+        return max((TTL_SECONDS[c.ttl or "5m"] for c in marks), default=None)
+
+
+def _cache_controls(req: Conversation) -> list[CacheControl | None]:
+    found = [t.cache_control for t in req.tools or []]
+    found += [b.cache_control for b in req.system] if isinstance(req.system, list) else []
+    for message in req.messages:
+        found += [b.cache_control for b in message.content] if isinstance(message.content, list) else []
+    return found

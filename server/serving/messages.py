@@ -1,0 +1,171 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API on the same engine and sessions.
+
+A request becomes chat's normal form: `system` a system message, text blocks content, an assistant's
+`tool_use` blocks its tool calls, a user's `tool_result` blocks tool messages (before its text). So
+a session (`X-Session-ID`, or kvserve's `session_id`) continues token-exactly as on chat, tools go
+through the same rendering and grammar, and the reply read back is the message the session records.
+
+`cache_control` needs nothing set up: every prompt's K/V is kept by prefix. A breakpoint says where
+the cached part ends for the accounting Anthropic's clients read: tokens up to the last breakpoint
+that were computed now are `cache_creation_input_tokens`, reused ones `cache_read_input_tokens`, the
+rest `input_tokens`. Its `ttl` becomes the TTL of a session the request creates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+
+from server.anthropic.schemas import Conversation, CountTokensRequest, MessagesRequest, ToolResultBlock, ToolUseBlock
+from server.engine.request import SamplingParams
+from server.models.loader import LoadedModel
+from server.openai.errors import ApiError
+from server.serving import continuation, structured
+from server.serving.completions import event_stream
+from server.serving.core import SESSION_HEADER, Serving, cache_headers, session_key
+from server.serving.message_run import MessageRun
+from server.serving.prompts import check_text_size, output_budget
+from server.serving.tool_reader import ToolReader, read_reply
+from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, canonical_arguments, tool_format
+from server.sessions.errors import SessionBusy
+from server.sessions.record import SessionKey
+
+
+class Messages:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.store = serving.store
+
+    async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
+        loaded = self.serving.engine(req.model).loaded
+        messages, _ends = chat_of(req)
+        check_text_size(loaded, [m["content"] for m in messages], "messages")
+        ids = await asyncio.to_thread(continuation.prompt_ids, loaded, messages, None, tool_use_of(req))
+        return {"input_tokens": len(ids)}
+
+    async def create(self, req: MessagesRequest, http: Request, tenant: str) -> Any:
+        serving, s = self.serving, self.serving.settings
+        engine = serving.engine(req.model)
+        loaded = engine.loaded
+        key = session_key(req, http, tenant)
+        ttl = req.cache_ttl()
+        if key is not None and ttl is not None and not await serving.off_loop(self.store.is_live, key):
+            await serving.off_loop(self._create, key, engine.model_id, ttl)
+        view = await serving.off_loop(self.store.view, key) if key is not None else None
+        view = view if view is not None and view.model_id == engine.model_id else None
+        messages, ends = chat_of(req)
+        check_text_size(loaded, [m["content"] for m in messages], "messages")
+        tools, style = tool_use_of(req), tool_format(loaded.tokenizer.chat_template).style
+        ids = await asyncio.to_thread(continuation.prompt_ids, loaded, messages, view, tools)
+        boundary = await asyncio.to_thread(cached_prefix_len, loaded, req, messages, ends, tools)
+        fmt = req.output_config.format if req.output_config is not None else None
+        constraint = await structured.constraint(engine, fmt.schema_ if fmt is not None else None, tools, style)
+        budget = (
+            0
+            if req.max_tokens == 0
+            else output_budget(loaded, len(ids), req.max_tokens, s.default_max_tokens, s.max_tokens_limit)
+        )
+        params = SamplingParams(
+            max_tokens=budget, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or 0,
+            stop=list(req.stop_sequences or []),
+        )  # fmt: skip
+        session = serving.session_for(key, len(ids) + budget, engine)
+        message_id = "msg_" + uuid.uuid4().hex
+        gen = serving.request(
+            request_id=message_id,
+            prompt_ids=ids,
+            params=params,
+            tenant=tenant,
+            session=session,
+            kv_source=session if session is not None and not session.is_bucket else None,
+            messages=messages,
+            constraint=constraint,
+            tools=tools.definitions() if tools is not None else None,
+            reply=lambda text: read_reply(text, tools, style, message_id),
+        )
+        started = time.monotonic()
+        handle, admitted = await serving.start(engine, gen, http)
+        reader = ToolReader(tools, style, message_id) if tools is not None and tools.reads_calls else None
+        run = MessageRun(message_id, engine.model_id, reader, min(boundary, len(ids)), admitted, ttl)
+        headers = cache_headers(admitted)
+        if session is not None and not session.is_bucket:
+            headers[SESSION_HEADER] = session.name
+        events = serving.metrics.meter(handle, engine.model_id, started)
+        if req.stream:
+            return event_stream(run.events(handle, events), headers)
+        return await run.collect(handle, events, http, headers)
+
+    def _create(self, key: SessionKey, model_id: str, ttl_s: float) -> None:
+        with contextlib.suppress(SessionBusy):  # another request made it meanwhile: it is there, as wanted
+            self.store.create(key, model_id, ttl_s)
+
+
+def chat_of(req: Conversation) -> tuple[list[dict[str, Any]], list[int]]:
+    """Chat's normal form of the conversation, and after each request message how many chat messages there are."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        text = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
+        messages.append({"role": "system", "content": text})
+    ends = []
+    for message in req.messages:
+        blocks = message.content
+        if isinstance(blocks, str):
+            messages.append({"role": message.role, "content": blocks})
+        elif message.role == "assistant":
+            text = "".join(b.text for b in blocks if b.type == "text")
+            calls = [_call(b) for b in blocks if isinstance(b, ToolUseBlock)]
+            messages.append(assistant_message(text, calls))
+        else:
+            results = [b for b in blocks if isinstance(b, ToolResultBlock)]
+            messages += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()} for b in results]
+            text = "".join(b.text for b in blocks if b.type == "text")
+            if text or not results:
+                messages.append({"role": "user", "content": text})
+        ends.append(len(messages))
+    return messages, ends
+
+
+def _call(block: ToolUseBlock) -> dict[str, Any]:
+    function = {"name": block.name, "arguments": canonical_arguments(json.dumps(block.input))}
+    return {"id": block.id, "type": "function", "function": function}
+
+
+def tool_use_of(req: Conversation) -> ToolUse | None:
+    if not req.tools:
+        return None
+    specs = tuple(ToolSpec(t.name, t.description, t.input_schema or NO_PARAMETERS) for t in req.tools)
+    choice, parallel = req.tool_choice, not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
+    if choice is None or choice.type == "auto":
+        return ToolUse(specs, "auto", None, parallel)
+    if choice.type == "tool":
+        return ToolUse(specs, "function", choice.name, parallel)
+    return ToolUse(specs, "required" if choice.type == "any" else "none", None, parallel)
+
+
+def cached_prefix_len(
+    loaded: LoadedModel, req: Conversation, messages: list[dict[str, Any]], ends: list[int], tools: ToolUse | None
+) -> int:
+    """Prompt tokens up to the last cache_control breakpoint (0: none), rendered as the prompt renders them."""
+    marked = [i for i, m in enumerate(req.messages) if not isinstance(m.content, str) and _has_mark(m.content)]
+    if isinstance(req, MessagesRequest) and req.cache_control is not None:  # on the last block: all of it
+        marked = [len(req.messages) - 1]
+    if marked:
+        prefix = messages[: ends[marked[-1]]]
+    elif (isinstance(req.system, list) and _has_mark(req.system)) or any(t.cache_control for t in req.tools or []):
+        prefix = messages[:1] if req.system else []
+    else:
+        return 0
+    try:
+        return len(continuation.tokenize(loaded, continuation.render(loaded, prefix, False, tools)))
+    except ApiError:  # a template that cannot render the prefix alone: nothing is claimed
+        return 0
+
+
+def _has_mark(blocks: list[Any]) -> bool:
+    return any(getattr(b, "cache_control", None) is not None for b in blocks)
