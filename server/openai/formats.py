@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -65,6 +66,7 @@ class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(..., max_length=64)
     arguments: str = Field(..., description="the arguments, as a JSON text")
+    parsed_arguments: SkipJsonSchema[Any] = None  # the openai SDK's parse() echoes the arguments it parsed
 
 
 class ToolCall(BaseModel):

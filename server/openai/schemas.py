@@ -190,6 +190,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, max_length=128, description="an assistant's calls")
     tool_call_id: str | None = Field(None, max_length=256, description="a tool message: the call it answers")
     refusal: SkipJsonSchema[None] = None  # echoed assistant messages carry "refusal": null
+    parsed: SkipJsonSchema[Any] = None  # the openai SDK's parse() echoes the content it parsed
+    annotations: SkipJsonSchema[list[Any] | None] = None
 
     _text_only = field_validator("content", mode="before")(text_parts_only)
 

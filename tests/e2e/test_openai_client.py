@@ -105,3 +105,37 @@ def test_errors_surface_as_openai_exceptions(client):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+
+
+def test_the_default_model_answers_to_a_schema_and_calls_a_tool(client):
+    """SmolLM2 held to a schema by the grammar, and made to call a function with valid arguments."""
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        country: str = Field(max_length=20)
+        capital: str = Field(max_length=20)
+
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "The capital of France, as JSON."}], response_format=Capital,
+        max_tokens=40, temperature=0,
+    )  # fmt: skip
+    assert parsed.choices[0].message.parsed.capital == "Paris"
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    called = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Berlin?"}], tools=[tool],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=40, temperature=0,
+    )  # fmt: skip
+    (call,) = called.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert "Berlin" in call.function.arguments
