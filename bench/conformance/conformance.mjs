@@ -1,0 +1,160 @@
+// What the Node clients people build on do against kvserve: the official openai SDK and the Vercel AI SDK
+// (its default OpenAI provider, which speaks the Responses API). One line per check, PASS or FAIL with why;
+// the exit code is the number of failures. Run by bench/conformance.py: KVSERVE_BASE=http://.../v1 MODEL=...
+import OpenAI from "openai";
+import { zodResponseFormat } from "openai/helpers/zod";
+import { createOpenAI } from "@ai-sdk/openai";
+import { Output, generateObject, generateText, isStepCount, streamText, tool } from "ai";
+import { z } from "zod";
+
+const base = process.env.KVSERVE_BASE;
+const model = process.env.MODEL;
+const client = new OpenAI({ baseURL: base, apiKey: "unused", maxRetries: 0 });
+const provider = createOpenAI({ baseURL: base, apiKey: "unused" });
+const weather = { city: z.enum(["Paris", "Rome", "Berlin"]).describe("the city") };
+let failures = 0;
+
+async function check(name, body) {
+  try {
+    console.log(`PASS ${name}: ${await body()}`);
+  } catch (error) {
+    failures += 1;
+    console.log(`FAIL ${name}: ${String(error?.message ?? error).split("\n")[0].slice(0, 300)}`);
+  }
+}
+
+function expect(condition, what) {
+  if (!condition) throw new Error(what);
+}
+
+await check("openai-node chat.completions.create", async () => {
+  const r = await client.chat.completions.create({
+    model, messages: [{ role: "user", content: "What is the capital of France?" }], max_tokens: 12, temperature: 0,
+  });
+  expect(r.choices[0].message.content, "no content");
+  return JSON.stringify(r.choices[0].message.content);
+});
+
+await check("openai-node session continued by header, streamed with usage", async () => {
+  const messages = [{ role: "user", content: "Name a colour." }];
+  const headers = { "X-Session-ID": `node-${Date.now()}` };
+  const first = await client.chat.completions.create({ model, messages, max_tokens: 8, temperature: 0 }, { headers });
+  messages.push({ role: "assistant", content: first.choices[0].message.content }, { role: "user", content: "Another." });
+  const stream = await client.chat.completions.create(
+    { model, messages, max_tokens: 8, temperature: 0, stream: true, stream_options: { include_usage: true } },
+    { headers },
+  );
+  let text = "", usage = null;
+  for await (const chunk of stream) {
+    text += chunk.choices[0]?.delta?.content ?? "";
+    usage = chunk.usage ?? usage;
+  }
+  const cached = usage.prompt_tokens_details.cached_tokens;
+  expect(cached >= first.usage.prompt_tokens, `turn 2 reused ${cached} tokens`);
+  return `turn 2 reused ${cached} of ${usage.prompt_tokens} prompt tokens`;
+});
+
+await check("openai-node chat.completions.parse with zodResponseFormat", async () => {
+  const Capital = z.object({ country: z.string().max(20), capital: z.string().max(20) });
+  const r = await client.chat.completions.parse({
+    model, messages: [{ role: "user", content: "The capital of Italy, as JSON." }],
+    response_format: zodResponseFormat(Capital, "capital"), max_tokens: 40, temperature: 0,
+  });
+  expect(r.choices[0].message.parsed, "nothing parsed");
+  return JSON.stringify(r.choices[0].message.parsed);
+});
+
+await check("openai-node tools: required call, then its result", async () => {
+  const tools = [{
+    type: "function",
+    function: { name: "get_weather", parameters: z.toJSONSchema(z.object(weather)) },
+  }];
+  const messages = [{ role: "user", content: "What is the weather in Rome?" }];
+  const first = await client.chat.completions.create({
+    model, messages, tools, tool_choice: "required", parallel_tool_calls: false, max_tokens: 40, temperature: 0,
+  });
+  const call = first.choices[0].message.tool_calls[0];
+  expect(call.function.name === "get_weather", "no call");
+  messages.push(first.choices[0].message, { role: "tool", tool_call_id: call.id, content: "sunny, 21 C" });
+  const second = await client.chat.completions.create({ model, messages, tools, max_tokens: 16, temperature: 0 });
+  return `${call.function.arguments} -> ${JSON.stringify(second.choices[0].message.content)}`;
+});
+
+await check("openai-node responses: two turns by previous_response_id", async () => {
+  const first = await client.responses.create({ model, input: "Name a river.", max_output_tokens: 12, temperature: 0 });
+  const second = await client.responses.create({
+    model, input: "Where is it?", previous_response_id: first.id, max_output_tokens: 12, temperature: 0,
+  });
+  const cached = second.usage.input_tokens_details.cached_tokens;
+  expect(cached >= first.usage.input_tokens, `reused ${cached}`);
+  return `${JSON.stringify(second.output_text)} (reused ${cached} tokens)`;
+});
+
+await check("ai-sdk generateText, two turns (default provider: Responses API)", async () => {
+  const messages = [{ role: "user", content: "Say hello." }];
+  const first = await generateText({ model: provider(model), messages, maxOutputTokens: 8, temperature: 0 });
+  messages.push(...first.response.messages, { role: "user", content: "Say it again." });
+  const sent = [];
+  const watched = createOpenAI({
+    baseURL: base, apiKey: "unused", fetch: async (url, init) => { sent.push(JSON.parse(init.body)); return fetch(url, init); },
+  });
+  const second = await generateText({ model: watched(model), messages, maxOutputTokens: 8, temperature: 0 });
+  const references = sent[0].input.filter((item) => item.type === "item_reference").length;
+  expect(references > 0, "turn 2 sent no item_reference");
+  const cached = second.usage.inputTokenDetails?.cacheReadTokens ?? second.usage.cachedInputTokens;
+  return `${JSON.stringify(first.text)} then ${JSON.stringify(second.text)}; turn 2 sent ${references} item_reference, reused ${cached} tokens`;
+});
+
+await check("ai-sdk generateText with a tool, two steps", async () => {
+  const result = await generateText({
+    model: provider(model),
+    prompt: "What is the weather in Berlin?",
+    tools: {
+      weather: tool({
+        description: "The weather in a city",
+        inputSchema: z.object(weather),
+        execute: async ({ city }) => `sunny in ${city}`,
+      }),
+    },
+    toolChoice: "required",
+    providerOptions: { openai: { parallelToolCalls: false } },  // a 135M model repeats a call it may repeat
+    stopWhen: isStepCount(2),
+    maxOutputTokens: 40,
+    temperature: 0,
+  });
+  const calls = result.steps.flatMap((step) => step.toolCalls);
+  expect(calls.length > 0, "no tool call");
+  return `${calls.map((c) => `${c.toolName}(${JSON.stringify(c.input)})`).join(", ")}, ${result.steps.length} steps`;
+});
+
+await check("ai-sdk generateObject", async () => {
+  const { object } = await generateObject({
+    model: provider(model),
+    schema: z.object({ name: z.string().max(20), age: z.number().int().min(0).max(120) }),
+    prompt: "Invent a person.",
+    maxOutputTokens: 40,
+    temperature: 0,
+  });
+  return JSON.stringify(object);
+});
+
+await check("ai-sdk generateText with Output.object", async () => {
+  const { output } = await generateText({
+    model: provider(model),
+    output: Output.object({ schema: z.object({ city: z.enum(["Paris", "Rome", "Berlin"]), sunny: z.boolean() }) }),
+    prompt: "Is it sunny in Rome?",
+    maxOutputTokens: 30,
+    temperature: 0,
+  });
+  return JSON.stringify(output);
+});
+
+await check("ai-sdk streamText", async () => {
+  const result = streamText({ model: provider(model), prompt: "Count to three.", maxOutputTokens: 12, temperature: 0 });
+  let text = "";
+  for await (const part of result.textStream) text += part;
+  expect(text, "no text");
+  return JSON.stringify(text);
+});
+
+process.exit(failures);
