@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,7 +33,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
-    proc, base = spawn_server()
+    state = tempfile.TemporaryDirectory()  # a fresh state directory: no session of an earlier run shows
+    proc, base = spawn_server(["--state-dir", state.name])
     try:
         node_lines, node_versions, failures = node_clients(base)
         python_lines, python_versions = python_clients(base)

@@ -15,7 +15,18 @@ from server.http import errors, openapi
 from server.http.auth import KeyRing, announce, load_keys
 from server.http.connections import throttle_accept_errors
 from server.http.gate import Gate
-from server.http.routes import chat, completions, health, messages, metrics, models, responses, sessions, tokens
+from server.http.routes import (
+    chat,
+    completions,
+    health,
+    messages,
+    metrics,
+    models,
+    playground,
+    responses,
+    sessions,
+    tokens,
+)
 from server.metrics import Metrics
 from server.models.loader import ModelSpec
 from server.serving.completions import Completions
@@ -69,6 +80,7 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
     )
     errors.install(app)
     open_paths = set(openapi.OPEN_PATHS) | (set() if settings.metrics_needs_key else {"/metrics"})
+    open_paths |= playground.OPEN_PATHS if settings.playground else set()
 
     def count(route: str, status: int, seconds: float) -> None:
         if hasattr(app.state, "metrics"):
@@ -84,6 +96,8 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
         replica=settings.replica_id,
     )
     openapi.install(app, settings.max_tokens_limit)
+    if settings.playground:
+        playground.install(app)
     routers = (completions, chat, responses, messages, models, sessions, tokens, health, metrics)
     for router in (module.router for module in routers):
         app.include_router(router)

@@ -69,6 +69,7 @@ class Settings(BaseSettings):
         1024, gt=0, description="stream events a client may leave unread before its request is ended"
     )
     log_prompts: bool = Field(False, description="debug only: log prompt text (never on by default)")
+    playground: bool = Field(True, description="serve the playground page at / and /playground")
     default_max_tokens: int = Field(512, gt=0, description="when a request gives no max_tokens")
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is ended")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long open requests may finish")

@@ -19,7 +19,7 @@ from server.http.auth import DEFAULT_TENANT, KeyRing
 from server.http.errors import envelope
 
 log = logging.getLogger("kvserve.access")
-DOCS_PREFIX = "/docs/"  # the API docs' static files need no key, like /docs itself
+OPEN_PREFIXES = ("/docs/", "/playground/")  # the docs' and the playground's files need no key, like their pages
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -113,7 +113,7 @@ class Gate:
         token = token.strip() if scheme.lower() == "bearer" else ""
         token = token or headers.get("x-api-key", "").strip()  # Anthropic's clients send the key so
         tenant = self.keys.tenant_for(token) if token else None
-        if tenant is None and (path in self.open_paths or path.startswith(DOCS_PREFIX)):
+        if tenant is None and (path in self.open_paths or path.startswith(OPEN_PREFIXES)):
             return DEFAULT_TENANT  # /health, /ready (and /metrics when configured so) need no key
         return tenant
 

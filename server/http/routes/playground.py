@@ -1,0 +1,30 @@
+"""GET / and /playground: a page to chat on a session and see what the cache did for each turn.
+
+Plain HTML, JavaScript and CSS shipped in the package (server/http/playground/): no CDN, no build step. The
+page calls only the public API, with the key the user types (kept in the browser); the page and its files
+need no key themselves (they hold no tenant's data). KVSERVE_PLAYGROUND=false leaves all of it out.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+ASSETS = files("server.http") / "playground"
+STATIC = "/playground/static"
+OPEN_PATHS = frozenset({"/", "/playground"})
+
+
+def install(app: FastAPI) -> None:
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/")
+    @router.get("/playground")
+    async def page() -> FileResponse:
+        return FileResponse(str(ASSETS / "index.html"), media_type="text/html")
+
+    app.include_router(router)
+    app.mount(STATIC, StaticFiles(directory=str(ASSETS)), name="playground-static")
