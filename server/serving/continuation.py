@@ -80,12 +80,8 @@ def continued_ids(
 
 
 def _placeholder(message: dict[str, Any], index: int) -> dict[str, Any]:
-    kept = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
-    return {
-        **kept,
-        "role": "user" if message["role"] == "tool" else message["role"],
-        "content": PLACEHOLDER.format(index),
-    }
+    """A seen message with its content (and an assistant's calls) replaced by an inert mark."""
+    return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": PLACEHOLDER.format(index)}
 
 
 def _held_closing(

@@ -75,6 +75,14 @@ async def test_constrained_and_free_rows_share_a_step_and_free_ones_are_untouche
     ), "no step decoded a constrained and a free row together"
 
 
+async def test_a_finished_grammar_ends_the_reply_even_with_ignore_eos(engine, tiny):
+    constraint = await asyncio.to_thread(engine.grammars.compile, engine.grammars.json_schema({"enum": ["yes", "no"]}))
+    result = await run(engine, words(tiny, "Yes or no?"), max_tokens=50, ignore_eos=True, constraint=constraint)
+    assert result.finish_reason == "stop"
+    assert json.loads(result.text) in ("yes", "no")
+    assert result.usage.completion_tokens < 50
+
+
 def test_a_schema_the_library_cannot_compile_says_why(engine):
     with pytest.raises(GrammarError, match="Invalid type: frob"):
         engine.grammars.compile(engine.grammars.json_schema({"type": "object", "properties": {"a": {"type": "frob"}}}))

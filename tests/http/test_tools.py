@@ -198,16 +198,18 @@ def test_a_tool_round_trip_on_a_session_continues_token_exactly(client, respaced
 
 
 def test_other_tools_on_the_next_turn_are_a_new_prompt_not_a_continuation(client):
-    first, _second, _ = round_trip(client, "tools-changed", [WEATHER])
-    messages = [*user("What is the weather in Paris?"), first["choices"][0]["message"]]
-    messages.append({"role": "tool", "tool_call_id": messages[1]["tool_calls"][0]["id"], "content": "sunny"})
-    before = client.app.state.host.store.view(SessionKey("default", "tools-changed")).transcript_ids
+    _first, second, _ = round_trip(client, "tools-changed", [WEATHER])
+    store = client.app.state.host.store
+    before = store.view(SessionKey("default", "tools-changed"))
+    # The next turn extends the session's messages exactly, but with another list of tools.
+    messages = [*before.messages, *user("And in Rome?")]
     ask(client, messages=messages, tools=[WEATHER, ADD], session_id="tools-changed", max_tokens=4)
     # The generic prompt lists the tools in the system message: the new list is rendered, not the old transcript's.
-    after = client.app.state.host.store.view(SessionKey("default", "tools-changed")).transcript_ids
+    after = store.view(SessionKey("default", "tools-changed")).transcript_ids
     tokenizer = client.app.state.host.engines["tiny"].loaded.tokenizer
-    assert '"add"' not in tokenizer.decode(before)
+    assert '"add"' not in tokenizer.decode(before.transcript_ids)
     assert '"add"' in tokenizer.decode(after)
+    assert second["choices"][0]["message"]["content"] is not None
 
 
 def test_the_generic_prompt_lists_the_tools_and_a_native_template_renders_them_itself(tiny_spec, tiny):
