@@ -12,7 +12,6 @@ Prints milliseconds; writes nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import drop_page_cache
+
 from server.kv.block_store import addresses, join_blocks
 from server.kv.pool import KVLayout
 from server.kv.snapshot import Snapshot, decode_block
@@ -29,16 +31,6 @@ from server.kv.tiers import TierStore
 from server.sessions.record import SessionKey
 
 KEY = SessionKey("bench", "a")
-
-
-def drop_page_cache(files: list[Path]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def timed(fn) -> float:
@@ -68,7 +60,8 @@ def main() -> None:
         times: dict[str, list[float]] = {"warm": [], "cold": []}
         for _ in range(args.repeats):
             times["warm"].append(timed(lambda: tiers.read(KEY, [*ids, 0], "m", "fp", layout)))
-            drop_page_cache(files)
+            for path in files:
+                drop_page_cache(path)
             times["cold"].append(timed(lambda: tiers.read(KEY, [*ids, 0], "m", "fp", layout)))
         names = addresses("fp", 16, KEY.tenant, ids, tail=True)
         values = tiers.disk.blocks.read(names)

@@ -136,6 +136,16 @@ def hf_decode_rate(args, prompts: list[list[dict]], num_tokens: int, repeats: in
     return statistics.median(rates)
 
 
+def drop_page_cache(path: Path) -> None:
+    """Make the next read of `path` come from the disk, not the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def machine_line() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from server.sessions.record import SessionKey
 from server.sessions.store import SessionStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine_line, replace_section
+from common import ROOT, drop_page_cache, machine_line, replace_section
 
 KEY = SessionKey("default", "bench")
 TEXT = (
@@ -74,15 +73,6 @@ async def first_token_s(engine: Engine, prompt: list[int], kv_source=None, use_c
                 pass
             return elapsed, engine.counter.num_prefill_tokens
     raise RuntimeError("no token")
-
-
-def drop_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 async def measure(loaded, args, state: Path) -> dict:

@@ -19,7 +19,7 @@ from server.openai import chunks
 from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.serving import continuation, structured
 from server.serving.answers import Answer
-from server.serving.core import SESSION_HEADER, Serving, cache_headers, session_key
+from server.serving.core import Serving, answer_headers, session_key
 from server.serving.prompts import chat_messages, check_text_size, completion_ids, sampling_params
 from server.serving.tool_reader import ToolReader, read_reply
 from server.serving.tools import ToolUse, tool_format, tool_use
@@ -108,10 +108,8 @@ class Completions:
         handle, admitted = await serving.start(engine, gen, http)
         events = serving.metrics.meter(handle, engine.model_id, started)
         meta = chunks.Meta(request_id, int(time.time()), engine.model_id, is_chat)
-        headers = cache_headers(admitted)
-        if key is not None and not key.is_bucket:
-            headers[SESSION_HEADER] = key.name
-        reader = ToolReader(tools, style, request_id) if tools is not None and tools.reads_calls else None
+        headers = answer_headers(admitted, key)
+        reader = ToolReader.of(tools, style, request_id)
         answer = Answer(handle, events, meta, _token_texts(engine.loaded.tokenizer), reader)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

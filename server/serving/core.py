@@ -151,6 +151,14 @@ class Serving:
             raise ApiError(429, "quota_exceeded", message)
 
 
+def answer_headers(admitted: Admitted, session: SessionKey | None) -> dict[str, str]:
+    """The cache headers, and the session the answer used (a bucket is not one)."""
+    headers = cache_headers(admitted)
+    if session is not None and not session.is_bucket:
+        headers[SESSION_HEADER] = session.name
+    return headers
+
+
 def cache_headers(admitted: Admitted) -> dict[str, str]:
     """X-Cache: hit when every prompt token but the last was cached, miss when none was, partial otherwise."""
     if admitted.num_cached == 0:

@@ -28,7 +28,7 @@ from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
 from server.serving import continuation, structured
 from server.serving.completions import event_stream
-from server.serving.core import SESSION_HEADER, Serving, cache_headers, session_key
+from server.serving.core import Serving, answer_headers, session_key
 from server.serving.message_run import MessageRun
 from server.serving.prompts import check_text_size, output_budget
 from server.serving.tool_reader import ToolReader, read_reply
@@ -91,11 +91,9 @@ class Messages:
         )
         started = time.monotonic()
         handle, admitted = await serving.start(engine, gen, http)
-        reader = ToolReader(tools, style, message_id) if tools is not None and tools.reads_calls else None
+        reader = ToolReader.of(tools, style, message_id)
         run = MessageRun(message_id, engine.model_id, reader, min(boundary, len(ids)), admitted, ttl)
-        headers = cache_headers(admitted)
-        if session is not None and not session.is_bucket:
-            headers[SESSION_HEADER] = session.name
+        headers = answer_headers(admitted, session)
         events = serving.metrics.meter(handle, engine.model_id, started)
         if req.stream:
             return event_stream(run.events(handle, events), headers)

@@ -28,7 +28,7 @@ from server.openai.response_objects import response_object
 from server.openai.responses import ResponseRequest
 from server.serving import continuation, structured
 from server.serving.completions import event_stream
-from server.serving.core import SESSION_HEADER, Serving, cache_headers, session_key
+from server.serving.core import Serving, answer_headers, session_key
 from server.serving.prompts import check_text_size, output_budget
 from server.serving.response_items import messages_of, resolve, stored_items
 from server.serving.response_run import KIND, ResponseRun, not_found, result
@@ -156,12 +156,10 @@ class Responses:
             if key is not None and named is None:
                 self.store.delete(key)
             raise
-        reader = ToolReader(tools, style, response_id) if tools is not None and tools.reads_calls else None
+        reader = ToolReader.of(tools, style, response_id)
         parent_id, retention = req.previous_response_id, s.response_retention_s
         run = ResponseRun(response_id, engine.model_id, record, parent_id, self.store, reader, key, session, retention)
-        headers = cache_headers(admitted)
-        if session is not None and not session.is_bucket:
-            headers[SESSION_HEADER] = session.name
+        headers = answer_headers(admitted, session)
         events = serving.metrics.meter(handle, engine.model_id, started)
         if req.stream:
             return event_stream(run.events(handle, events), headers)

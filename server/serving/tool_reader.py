@@ -92,6 +92,11 @@ class ToolReader:
         self.calls.append(call)
         return [call]
 
+    @classmethod
+    def of(cls, tools: ToolUse | None, style: str, request_id: str) -> ToolReader | None:
+        """The reader of a request's reply, or None when the request reads no calls."""
+        return cls(tools, style, request_id) if tools is not None and tools.reads_calls else None
+
     def message(self) -> dict[str, Any]:
         """The reply as the session records it (content "" when only calls were made)."""
         content = "" if self.calls and not self.content.strip() else self.content
