@@ -14,8 +14,10 @@ REPLACEMENT = "\ufffd"
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None, shown: frozenset[int] = frozenset()) -> None:
+        """`shown`: special tokens whose text is part of the output all the same (a template's tool-call tags)."""
         self._tokenizer = tokenizer
+        self._shown = shown
         self._stop = [s for s in (stop or []) if s]
         self._ids: list[int] = []
         # Decode a short window (prefix_offset:) and diff it against (prefix_offset:read_offset):
@@ -41,7 +43,17 @@ class Detokenizer:
         return text
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if not self._shown or not self._shown.intersection(ids):
+            return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        parts: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id in self._shown:
+                parts += [self._decode(run), self._tokenizer.convert_ids_to_tokens(token_id)]
+                run = []
+            else:
+                run.append(token_id)
+        return "".join([*parts, self._decode(run)])
 
     def _decode_new(self) -> str:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])

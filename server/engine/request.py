@@ -48,6 +48,7 @@ class GenerationRequest:
     constraint: Constraint | None = None  # structured output: every token must fit this (fresh) grammar
     tools: list[dict[str, Any]] | None = None  # chat: the tool definitions the prompt renders (kept in the record)
     reply: Callable[[str], dict[str, Any]] | None = None  # chat: the reply's text -> the message the record keeps
+    shown_special_ids: frozenset[int] = frozenset()  # special tokens kept in the text: tool-call tags to read
 
     @property
     def is_prefill_only(self) -> bool:

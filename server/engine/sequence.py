@@ -49,7 +49,7 @@ class Sequence:
         self._pending_logprobs: list[TokenLogprob] = []
         params = request.params
         self.sampler = Sampler(params, request.prompt_ids, loaded.vocab_size, loaded.device)
-        self.detok = Detokenizer(loaded.tokenizer, params.stop)
+        self.detok = Detokenizer(loaded.tokenizer, params.stop, request.shown_special_ids)
         self.constraint = request.constraint
         # A grammar that is done allows only the end of sequence: it ends the reply even with ignore_eos.
         ends = set() if params.ignore_eos and self.constraint is None else set(loaded.eos_ids)

@@ -4,11 +4,12 @@ The backends are a disk directory (`disk_blocks.py`, this process's disk tier) a
 (`redis_blocks.py`, the tier replicas share). Both hold the same bytes per block
 (`snapshot.encode_block`) under the same address, and everything else is this module's:
 
-- The address of a block is a chained BLAKE2b over the model's fingerprint (layout and weights),
-  the block size, the tenant (two tenants with the same prompt never share a block) and every
-  token id up to the block's end. It is process-independent by construction, unlike Python's
-  `hash()`, so any replica, and this process after a restart, finds what another wrote. A block
-  with fewer tokens than the block size (a transcript's tail) is addressed the same way.
+- The address of a block is a chained BLAKE2b over the stored format's version, the model's
+  fingerprint (layout and weights), the block size, the tenant (two tenants with the same prompt
+  never share a block) and every token id up to the block's end. It is process-independent by
+  construction, unlike Python's `hash()`, so any replica, and this process after a restart, finds
+  what another wrote. A block with fewer tokens than the block size (a transcript's tail) is
+  addressed the same way.
 - Writing: the engine thread hands over host copies (`WriteJob`) and goes on; the store's writer
   thread keeps only the blocks the backend lacks (a system prompt many sessions share is stored
   once), encodes and checksums them, and writes them in order, a few a round trip, so a writer
@@ -32,7 +33,7 @@ from typing import Protocol
 import torch
 
 from server.kv.pool import KVLayout
-from server.kv.snapshot import decode_block, encode_block
+from server.kv.snapshot import VERSION, decode_block, encode_block
 
 log = logging.getLogger("kvserve.blocks")
 KNOWN_LIMIT = 1 << 20  # addresses remembered as already held
@@ -42,7 +43,8 @@ READERS = 4  # chunks read and checked at once: file reads, Redis round trips an
 
 def addresses(fingerprint: str, block_size: int, tenant: str, token_ids: list[int], tail: bool = False) -> list[str]:
     """The content address of each full block of `token_ids` (and of the partial last one, with `tail`)."""
-    digest = hashlib.blake2b(f"{fingerprint}\0{block_size}\0{tenant}".encode(), digest_size=20)
+    # The stored format's version too: blocks of another version are not found (so never deleted as unreadable).
+    digest = hashlib.blake2b(f"{VERSION}\0{fingerprint}\0{block_size}\0{tenant}".encode(), digest_size=20)
     found = []
     end = len(token_ids) if tail else len(token_ids) - len(token_ids) % block_size
     for start in range(0, end, block_size):
@@ -138,11 +140,15 @@ class BlockStore:
             try:
                 if job is None:
                     return
-                is_whole = self._write(job)
+                try:
+                    is_whole = self._write(job)
+                except Exception:  # not the medium failing (an encoding or copy bug): the job still ends
+                    log.exception("the %s K/V writer failed on a job", self.origin)
+                    is_whole = False
                 if job.done is not None:
-                    job.done(is_whole)
+                    job.done(is_whole)  # always: its owner holds references and memory until told
             except Exception:  # a callback's bug must not stop the writer for every later job
-                log.exception("the %s K/V writer failed on a job", self.origin)
+                log.exception("the %s K/V writer's callback failed", self.origin)
             finally:
                 self._queue.task_done()
 
@@ -189,6 +195,7 @@ class BlockStore:
                 run = leading_run([block is not None for block in found])
                 blocks += found[:run]  # type: ignore[arg-type]  # the leading run holds no None
                 if run < len(chunk):
+                    self._forget([chunk[run]])  # evicted (or refused): the next turn's blocks go to the writer again
                     break
         finally:
             for future in futures:
@@ -212,13 +219,16 @@ class BlockStore:
         """Best effort: a block left behind costs space, never correctness."""
         if not names:
             return
-        with self._known_lock:
-            for name in names:
-                self._known.pop(name, None)
+        self._forget(names)
         try:
             self.backend.delete(names)
         except self.backend.errors as exc:
             log.warning("%d K/V blocks not deleted from the %s tier: %s", len(names), self.origin, exc)
+
+    def _forget(self, names: list[str]) -> None:
+        with self._known_lock:
+            for name in names:
+                self._known.pop(name, None)
 
     def _remember(self, names: list[str]) -> None:
         with self._known_lock:

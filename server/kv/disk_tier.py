@@ -83,20 +83,23 @@ class DiskTier:
             is_current = self._writing.get(key) is manifest and key not in self._deleted
             if self._writing.get(key) is manifest:
                 del self._writing[key]
-            if is_whole and is_current:
-                try:
+            is_kept = False
+            try:
+                if is_whole and is_current:
                     self._save(manifest)
-                except OSError as exc:
-                    log.warning("the K/V manifest of session %s was not written (%s); it is dropped", key.name, exc)
-                    is_whole = False
-            if is_whole and is_current:
-                old = self._manifests.pop(key, None)
-                self._manifests[key] = manifest
-                self._release(old.names if old else [])
-            else:
-                self._release(manifest.names)
-                self.num_failed_writes += not is_whole
-            self._evict()
+                    is_kept = True
+            except Exception as exc:  # a full disk, or anything else: the write's references must not leak
+                log.warning("the K/V manifest of session %s was not written (%s); it is dropped", key.name, exc)
+                is_whole = False
+            finally:
+                if is_kept:
+                    old = self._manifests.pop(key, None)
+                    self._manifests[key] = manifest
+                    self._release(old.names if old else [])
+                else:
+                    self._release(manifest.names)
+                    self.num_failed_writes += not is_whole
+                self._evict()
 
     def _save(self, manifest: Manifest) -> None:
         path = self.path_for(manifest.key)
@@ -113,11 +116,11 @@ class DiskTier:
         self.store.flush()
 
     # -- reading ------------------------------------------------------------------------
-    def manifest(self, key: SessionKey) -> Manifest | None:
-        """What the disk holds for `key` (its blocks written), or None; use moves it up the LRU order."""
+    def manifest(self, key: SessionKey, use: bool = True) -> Manifest | None:
+        """What the disk holds for `key` (its blocks written), or None; a use (not a peek) moves it up the LRU."""
         with self._lock:
             manifest = self._manifests.get(key)
-            if manifest is not None:
+            if manifest is not None and use:
                 self._manifests.move_to_end(key)
             return manifest
 
@@ -167,7 +170,7 @@ class DiskTier:
                 self._writing.pop(key, None)  # its blocks are released when the writer is done with them
             manifest = self._manifests.pop(key, None)
             self._release(manifest.names if manifest else [])
-        self.path_for(key).unlink(missing_ok=True)
+            self.path_for(key).unlink(missing_ok=True)  # under the lock: a new manifest of a revived key survives
 
     def revive(self, key: SessionKey) -> None:
         with self._lock:

@@ -51,9 +51,11 @@ class Snapshot:
         return sum(storages.values())
 
     def wait(self) -> None:
-        """Block until an asynchronous device-to-host copy has landed."""
-        if self.ready is not None:
-            self.ready.synchronize()
+        """Block until an asynchronous device-to-host copy has landed (the engine and the disk writer may both
+        ask, for a snapshot that is on its way to disk and restored meanwhile)."""
+        ready = self.ready
+        if ready is not None:
+            ready.synchronize()  # an event may be waited on again
             self.ready = None
 
 

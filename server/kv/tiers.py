@@ -102,7 +102,7 @@ class TierStore:
             for snap in (self._host.get(key), self._writing.get(key)):
                 if snap is not None and snap.token_ids[: len(token_ids)] == token_ids:
                     return True
-        disk = self.disk.manifest(key) if self.disk is not None else None
+        disk = self.disk.manifest(key, use=False) if self.disk is not None else None
         return disk is not None and disk.token_ids[: len(token_ids)] == token_ids
 
     def flush(self) -> None:
@@ -128,7 +128,7 @@ class TierStore:
             for snap in (self._host.get(key), self._writing.get(key)):
                 if snap is not None:
                     return snap.num_tokens
-        disk = self.disk.manifest(key) if self.disk is not None else None
+        disk = self.disk.manifest(key, use=False) if self.disk is not None else None
         return len(disk.token_ids) if disk is not None else 0
 
     def fetch(self, key: SessionKey, model_id: str, fingerprint: str) -> Snapshot | None:

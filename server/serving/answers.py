@@ -49,7 +49,8 @@ class Answer:
                     if self.reader is not None:
                         self.reader.feed(text)
                         self.reader.finish()
-                        text, calls = self.reader.content, self.reader.calls
+                        message = self.reader.message()  # the content as the session records it
+                        text, calls = message["content"], message.get("tool_calls")
                     body = chunks.full_response(self.meta, text, event.finish_reason, event.usage, lp, calls)
                     return JSONResponse(body, headers=headers)
                 elif isinstance(event, Failed):

@@ -22,7 +22,7 @@ from server.serving.answers import Answer
 from server.serving.core import Serving, answer_headers, session_key
 from server.serving.prompts import chat_messages, check_text_size, completion_ids, sampling_params
 from server.serving.tool_reader import ToolReader, read_reply
-from server.serving.tools import ToolUse, tool_format, tool_use
+from server.serving.tools import ToolUse, call_markers, model_tool_format, tool_use
 from server.sessions.record import Session, SessionKey
 
 SEND_TIMEOUT_S = 60  # a client that accepts no bytes for this long is disconnected
@@ -67,7 +67,7 @@ class Completions:
         check_text_size(engine.loaded, [m["content"] for m in messages], "messages")
         tools = tool_use(req)
         ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, view, tools)  # off the loop
-        style = tool_format(engine.loaded.tokenizer.chat_template).style
+        style = model_tool_format(engine.loaded.tokenizer, tools).style
         constraint = await structured.constraint(engine, structured.format_schema(req.response_format), tools, style)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         ask = Ask(engine, tenant, key, ids, messages, tools, constraint)
@@ -90,7 +90,7 @@ class Completions:
         )
         key = serving.session_for(ask.key, num_prompt + params.max_tokens, engine)
         request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
-        tools, style = ask.tools, tool_format(engine.loaded.tokenizer.chat_template).style
+        tools, style = ask.tools, model_tool_format(engine.loaded.tokenizer, ask.tools).style
         gen = serving.request(
             request_id=request_id,
             prompt_ids=ask.prompt_ids,
@@ -103,6 +103,7 @@ class Completions:
             constraint=ask.constraint,
             tools=tools.definitions() if tools is not None else None,
             reply=partial(read_reply, tools=tools, style=style, request_id=request_id) if is_chat else None,
+            shown_special_ids=call_markers(engine.loaded.tokenizer, tools),
         )
         started = time.monotonic()
         handle, admitted = await serving.start(engine, gen, http)

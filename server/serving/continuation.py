@@ -20,7 +20,7 @@ from typing import Any
 
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
-from server.serving.tools import ToolUse, for_template, tool_format
+from server.serving.tools import ToolUse, chat_template, for_template, tool_format
 from server.sessions.record import Session
 
 PLACEHOLDER = "kvserve-seen-message-{}"
@@ -28,7 +28,7 @@ PLACEHOLDER = "kvserve-seen-message-{}"
 
 def render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: bool, tools: ToolUse | None = None) -> str:
     tokenizer = loaded.tokenizer
-    template = getattr(tokenizer, "chat_template", None)
+    template = chat_template(tokenizer, tools)
     if not template:
         raise ApiError(400, "invalid_parameter", f"model {loaded.spec.id!r} has no chat template", "messages")
     shown, definitions = for_template(messages, tools, tool_format(template))

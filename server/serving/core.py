@@ -69,6 +69,7 @@ class Serving:
         constraint: Constraint | None = None,
         tools: list[dict[str, Any]] | None = None,
         reply: Callable[[str], dict[str, Any]] | None = None,
+        shown_special_ids: frozenset[int] = frozenset(),
     ) -> GenerationRequest:
         """The request the engine runs; `kv_source`: whose lower-tier snapshot may hold the prompt's K/V."""
         return GenerationRequest(
@@ -85,6 +86,7 @@ class Serving:
             constraint=constraint,
             tools=tools,
             reply=reply,
+            shown_special_ids=shown_special_ids,
         )
 
     async def start(

@@ -109,7 +109,7 @@ class _BlockStream:
 
     def text(self, text: str, last: bool = False) -> list[ServerSentEvent]:
         text, self._blank = self._blank + text, ""
-        if not text or (not self.is_open and not text.strip() and not last):
+        if not text or (not self.is_open and not text.strip() and not (last and not self.num_calls)):
             self._blank = text
             return []
         out = [] if self.is_open else self._open()

@@ -32,7 +32,15 @@ from server.serving.core import Serving, answer_headers, session_key
 from server.serving.message_run import MessageRun
 from server.serving.prompts import check_text_size, output_budget
 from server.serving.tool_reader import ToolReader, read_reply
-from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, canonical_arguments, tool_format
+from server.serving.tools import (
+    NO_PARAMETERS,
+    ToolSpec,
+    ToolUse,
+    assistant_message,
+    call_markers,
+    canonical_arguments,
+    model_tool_format,
+)
 from server.sessions.errors import SessionBusy
 from server.sessions.record import SessionKey
 
@@ -61,7 +69,8 @@ class Messages:
         view = view if view is not None and view.model_id == engine.model_id else None
         messages, ends = chat_of(req)
         check_text_size(loaded, [m["content"] for m in messages], "messages")
-        tools, style = tool_use_of(req), tool_format(loaded.tokenizer.chat_template).style
+        tools = tool_use_of(req)
+        style = model_tool_format(loaded.tokenizer, tools).style
         ids = await asyncio.to_thread(continuation.prompt_ids, loaded, messages, view, tools)
         boundary = await asyncio.to_thread(cached_prefix_len, loaded, req, messages, ends, tools)
         fmt = req.output_config.format if req.output_config is not None else None
@@ -88,6 +97,7 @@ class Messages:
             constraint=constraint,
             tools=tools.definitions() if tools is not None else None,
             reply=lambda text: read_reply(text, tools, style, message_id),
+            shown_special_ids=call_markers(loaded.tokenizer, tools),
         )
         started = time.monotonic()
         handle, admitted = await serving.start(engine, gen, http)

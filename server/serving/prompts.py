@@ -8,7 +8,7 @@ from server.engine.request import SamplingParams
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
 from server.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
-from server.serving.tools import canonical_arguments
+from server.serving.tools import canonical_arguments, content_beside_calls
 
 
 def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
@@ -48,6 +48,7 @@ def _message(message: ChatMessage) -> dict:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
+        out["content"] = content_beside_calls(out["content"])
         out["tool_calls"] = [
             {
                 "id": c.id,

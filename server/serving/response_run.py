@@ -16,10 +16,9 @@ from server.engine.request import Event, Failed, Finished, TextDelta
 from server.openai.errors import CODE_STATUS, ApiError
 from server.openai.response_objects import call_item_id, function_call_item, message_id, message_item, response_object
 from server.serving.answers import failure
-from server.serving.core import cancel_on_disconnect
+from server.serving.core import Serving, cancel_on_disconnect
 from server.serving.tool_reader import ToolReader
 from server.sessions.record import SessionKey, Turn, Usage
-from server.sessions.store import SessionStore
 
 KIND = "response"
 EMPTY_PART = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -47,7 +46,7 @@ class ResponseRun:
         model: str,
         record: dict[str, Any],
         parent: str | None,
-        store: SessionStore,
+        serving: Serving,
         reader: ToolReader | None,
         stored: SessionKey | None,
         session: SessionKey | None,
@@ -56,7 +55,8 @@ class ResponseRun:
         """`stored`: the response's record (None: store=false). Without a `session`, the engine records the turn
         in it; with one, the turn runs on that session and the record is written from its state afterwards."""
         self.response_id, self.model, self.record, self.parent = response_id, model, record, parent
-        self.store, self.reader, self.stored, self.session = store, reader, stored, session
+        self.store, self.off_loop = serving.store, serving.off_loop  # the store may wait on Redis: off the loop
+        self.reader, self.stored, self.session = reader, stored, session
         self.retention_s = retention_s
         self.sequence_number = 0
         self.is_finished = False
@@ -70,10 +70,10 @@ class ResponseRun:
         message = self.reader.message()
         return message["content"], message.get("tool_calls", [])
 
-    def _finished(self, text: str, event: Finished) -> dict[str, Any]:
+    async def _finished(self, text: str, event: Finished) -> dict[str, Any]:
         content, calls = self._reply(text)
         done = result(event.finish_reason, content, event.usage, calls)
-        self._store_copy(done)
+        await self.off_loop(self._store_copy, done)
         self.is_finished = True
         return self._object(**done)
 
@@ -107,7 +107,7 @@ class ResponseRun:
                     if self.reader is not None:
                         self.reader.feed(text)
                         self.reader.finish()
-                    return JSONResponse(self._finished(text, event), headers=headers)
+                    return JSONResponse(await self._finished(text, event), headers=headers)
                 elif isinstance(event, Failed):
                     return JSONResponse(failure(event), CODE_STATUS.get(event.code, 500), headers=headers)
         finally:
@@ -138,7 +138,7 @@ class ResponseRun:
                     text, calls = self.reader.finish() if self.reader is not None else ("", [])
                     for sse in stream.text(text, last=True) + stream.calls(calls) + stream.close():
                         yield sse
-                    final = self._finished(stream.sent, event)
+                    final = await self._finished(stream.sent, event)
                     yield self._event(f"response.{final['status']}", response=final)
                 elif isinstance(event, Failed):
                     error = {"code": event.code, "message": event.message}

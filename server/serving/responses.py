@@ -33,7 +33,7 @@ from server.serving.prompts import check_text_size, output_budget
 from server.serving.response_items import messages_of, resolve, stored_items
 from server.serving.response_run import KIND, ResponseRun, not_found, result
 from server.serving.tool_reader import ToolReader, read_reply
-from server.serving.tools import responses_tool_use, tool_format
+from server.serving.tools import call_markers, model_tool_format, responses_tool_use
 from server.sessions.record import CompletedTurn, Session, SessionKey
 from server.sessions.store import SessionStore
 
@@ -108,16 +108,18 @@ class Responses:
     async def create(self, req: ResponseRequest, http: Request, tenant: str) -> Any:
         serving, s = self.serving, self.settings
         engine = serving.engine(req.model)
-        named = session_key(req, http, tenant)  # a session or a bucket: the turn runs there
+        named = session_key(req, http, tenant)
+        session = named if named is not None and not named.is_bucket else None  # the turn runs there
+        bucket = named if named is not None and named.is_bucket else None  # only a cache key
         parent = await self._parent(req, tenant, engine.model_id)
         response_id = "resp_" + uuid.uuid4().hex
         items = stored_items(response_id, req)
         resolved = await serving.off_loop(resolve, items, lambda rid: self._stored(tenant, rid))
         messages = self._messages(req, parent, resolved)
         check_text_size(engine.loaded, [m["content"] for m in messages], "input")
-        view = await self._session_view(named, engine.model_id)
-        tools, style = responses_tool_use(req), tool_format(engine.loaded.tokenizer.chat_template).style
-        base = view if named is not None else parent  # whose transcript the prompt continues
+        tools = responses_tool_use(req)
+        style = model_tool_format(engine.loaded.tokenizer, tools).style
+        base = await self._session_view(session, engine.model_id) if session is not None else parent
         prompt_ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, base, tools)
         fmt = req.text.format if req.text is not None else None
         schema = structured.schema_of(fmt.type, fmt.schema_) if fmt is not None else None
@@ -129,36 +131,42 @@ class Responses:
         key = SessionKey(tenant, response_id, KIND) if req.store else None
         if key is not None:
             serving.check_quota(key, len(prompt_ids) + budget, engine)  # before the record exists
-        if key is not None and named is None:  # the record is the engine's session: it records the turn
+        if key is not None and session is None:  # the record is the engine's session: it records the turn
             create = self.store.create
             ttl = s.response_retention_s
             await serving.off_loop(
                 create, key, engine.model_id, ttl, parent=req.previous_response_id, extras=dict(record)
             )
-        session = named if named is None else serving.session_for(named, len(prompt_ids) + budget, engine)
+        kv_source: SessionKey | None = session
+        if session is not None:
+            runs_on = serving.session_for(session, len(prompt_ids) + budget, engine)
+        else:
+            runs_on = key or serving.session_for(bucket, len(prompt_ids) + budget, engine)
+            kv_source = parent.key if parent is not None else None
         gen = serving.request(
             request_id=response_id,
             prompt_ids=prompt_ids,
             params=SamplingParams(max_tokens=budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed),
             tenant=tenant,
-            session=key if named is None else session,
-            kv_source=(parent.key if parent is not None else None) if named is None else _kv_source(session),
+            session=runs_on,
+            kv_source=kv_source,
             use_cache=req.cache_prompt,
             messages=messages,
             constraint=constraint,
             tools=tools.definitions() if tools is not None else None,
             reply=lambda text: read_reply(text, tools, style, response_id),
+            shown_special_ids=call_markers(engine.loaded.tokenizer, tools),
         )
         started = time.monotonic()
         try:
             handle, admitted = await serving.start(engine, gen, http)
         except BaseException:
-            if key is not None and named is None:
+            if key is not None and session is None:
                 self.store.delete(key)
             raise
         reader = ToolReader.of(tools, style, response_id)
         parent_id, retention = req.previous_response_id, s.response_retention_s
-        run = ResponseRun(response_id, engine.model_id, record, parent_id, self.store, reader, key, session, retention)
+        run = ResponseRun(response_id, engine.model_id, record, parent_id, serving, reader, key, session, retention)
         headers = answer_headers(admitted, session)
         events = serving.metrics.meter(handle, engine.model_id, started)
         if req.stream:
@@ -196,7 +204,3 @@ class Responses:
         if not self.store.delete(SessionKey(tenant, response_id, KIND)):
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
-
-
-def _kv_source(session: SessionKey | None) -> SessionKey | None:
-    return session if session is not None and not session.is_bucket else None

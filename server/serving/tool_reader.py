@@ -65,8 +65,7 @@ class ToolReader:
         """At the end of the reply: what is left. A reply whose call blocks all failed to parse is content."""
         held, self._held = self._held, ""
         if self._json_reply:
-            parts = held.strip().removeprefix(PYTHON_TAG).split(";")
-            found = [call for part in parts for call in self._add(_json_object(part))]
+            found = [call for obj in _json_objects(held.strip().removeprefix(PYTHON_TAG)) for call in self._add(obj)]
             if found:
                 return "", found
         elif self.calls:
@@ -99,8 +98,7 @@ class ToolReader:
 
     def message(self) -> dict[str, Any]:
         """The reply as the session records it (content "" when only calls were made)."""
-        content = "" if self.calls and not self.content.strip() else self.content
-        return assistant_message(content, self.calls)
+        return assistant_message(self.content, self.calls)
 
 
 def read_reply(text: str, tools: ToolUse | None, style: str, request_id: str) -> dict[str, Any]:
@@ -119,6 +117,23 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-size:]):
             return size
     return 0
+
+
+def _json_objects(text: str) -> list[Any]:
+    """Successive JSON values separated by `;` or whitespace (a `;` inside a string is the string's); [] when the
+    text is not only that."""
+    decoder, found, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            break
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return []
+        found.append(value)
+    return found
 
 
 def _json_object(text: str) -> Any:

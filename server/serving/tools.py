@@ -104,6 +104,32 @@ class ToolFormat:
     style: str  # hermes | llama3_json: how the model writes a call
 
 
+def chat_template(tokenizer: Any, tools: ToolUse | None) -> str | None:
+    """The template `apply_chat_template` will use: a tokenizer may hold several by name (transformers picks
+    `tool_use` for a request with tools, when there is one, else `default`)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, dict):
+        return template
+    if tools is not None and tools.specs and "tool_use" in template:
+        return str(template["tool_use"])
+    return str(template.get("default", next(iter(template.values()), "")))
+
+
+def model_tool_format(tokenizer: Any, tools: ToolUse | None) -> ToolFormat:
+    return tool_format(chat_template(tokenizer, tools))
+
+
+def call_markers(tokenizer: Any, tools: ToolUse | None) -> frozenset[int]:
+    """The tool-call tags a tokenizer has as special tokens (Hermes-2-Pro's, say): decoding would drop them, so a
+    request that reads calls keeps them in its text."""
+    if tools is None or not tools.reads_calls:
+        return frozenset()
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    found = {tokenizer.convert_tokens_to_ids(marker) for marker in (CALL_OPEN, CALL_CLOSE, PYTHON_TAG)}
+    return frozenset(i for i in found if isinstance(i, int) and i in special)
+
+
 @lru_cache(maxsize=64)
 def tool_format(template: str | None) -> ToolFormat:
     """What a chat template expects: its own tool rendering (it uses `tools`), and the call syntax it teaches."""
@@ -131,9 +157,14 @@ def call_id(request_id: str, index: int) -> str:
     return "call_" + hashlib.blake2b(f"{request_id}:{index}".encode(), digest_size=12).hexdigest()
 
 
+def content_beside_calls(content: str) -> str:
+    """Beside calls, content that is only whitespace (what streamed before a call, or null) is none."""
+    return content if content.strip() else ""
+
+
 def assistant_message(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
     """The normalized assistant message (what the session records and a client's echo is compared with)."""
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    message: dict[str, Any] = {"role": "assistant", "content": content_beside_calls(content) if calls else content}
     if calls:
         message["tool_calls"] = calls
     return message

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from server.engine.detokenizer import Detokenizer
@@ -55,3 +57,19 @@ def test_earliest_of_several_stops_wins(tokenizer):
     pieces, is_stopped = stream(tokenizer, ids, stop=["kvserve", "world"])
     assert is_stopped
     assert "".join(pieces) == "Hello "
+
+
+def test_tool_call_tags_that_are_special_tokens_are_kept_when_asked(tiny):
+    from server.serving.tools import ToolSpec, ToolUse, call_markers
+
+    tokenizer = copy.deepcopy(tiny.tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    text = '<tool_call>{"name": "f"}</tool_call>'
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    tools = ToolUse((ToolSpec("f", None, {}),))
+    shown = call_markers(tokenizer, tools)
+    assert len(shown) == 2  # both tags are special tokens of this tokenizer
+    assert call_markers(tokenizer, None) == frozenset()
+    plain, kept = Detokenizer(tokenizer), Detokenizer(tokenizer, shown=shown)
+    assert "".join(plain.add(t)[0] for t in ids) + plain.flush() == '{"name": "f"}'  # decoding drops them
+    assert "".join(kept.add(t)[0] for t in ids) + kept.flush() == text

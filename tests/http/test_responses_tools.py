@@ -122,6 +122,10 @@ def test_a_session_on_responses_means_what_it_means_on_chat(client):
     )
     assert bucket.status_code == 200, bucket.text
     assert "X-Session-ID" not in bucket.headers  # a bucket is a cache key, not a session
+    stored = client.get(f"{RESPONSES}/{bucket.json()['id']}")  # ...so the response is stored as without one
+    assert stored.status_code == 200
+    body = {"model": "tiny", "input": "More", "max_output_tokens": 2, "previous_response_id": bucket.json()["id"]}
+    assert client.post(RESPONSES, json=body | {"prompt_cache_key": "b1"}).status_code == 200
 
 
 def test_other_tool_types_are_400s_naming_them(client):

@@ -257,3 +257,21 @@ def test_start_up_removes_every_temporary_file_a_crash_left(tmp_path):
     assert again.totals().num_swept == 4
     assert json.loads(again.path_for(SessionKey("t", "a")).read_text())["token_ids"] == list(range(8))
     again.close()
+
+
+def test_a_write_that_fails_for_any_reason_gives_back_what_it_held(tmp_path, monkeypatch):
+    def broken(address, k, v):
+        raise RuntimeError("not the disk: a bug while encoding")
+
+    monkeypatch.setattr("server.kv.block_store.encode_block", broken)
+    tiers = tiers_at(tmp_path)
+    tiers.put(make("a", 12))
+    tiers.flush_pending()
+    assert tiers.pending_bytes() == 0  # not held in RAM for ever
+    assert tiers.totals().num_failed_writes == 1
+    assert tiers.disk.holds(make("a", 12)) is False  # so it may be written again
+    monkeypatch.undo()
+    tiers.put(make("a", 12))
+    tiers.flush_pending()
+    assert tiers.peek_tokens(SessionKey("t", "a")) == 12
+    tiers.close()

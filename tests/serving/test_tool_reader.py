@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from server.serving.tool_reader import ToolReader, read_reply
-from server.serving.tools import ToolSpec, ToolUse, tool_format
+from server.serving.tools import ToolSpec, ToolUse, chat_template, model_tool_format, tool_format
 
 TOOLS = ToolUse((ToolSpec("get_weather", None, {"type": "object"}), ToolSpec("add", None, {"type": "object"})))
 REPLY = (
@@ -56,6 +56,9 @@ def test_a_llama3_reply_that_is_a_json_call_is_a_call():
     assert content == ""
     assert calls[0]["function"] == {"name": "add", "arguments": '{"a":1,"b":2}'}
     assert read_reply("The answer is 3.", TOOLS, "llama3_json", "r")["content"] == "The answer is 3."
+    two = '{"name": "add", "parameters": {"a": ";"}}; {"name": "get_weather", "parameters": {"q": "SELECT 1;"}}'
+    message = read_reply(two, TOOLS, "llama3_json", "r")
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"a":";"}', '{"q":"SELECT 1;"}']
 
 
 def test_tool_choice_none_reads_no_calls():
@@ -68,3 +71,13 @@ def test_a_template_says_whether_it_renders_tools_and_how_calls_look():
     assert tool_format("{% if tools %}<tool_call>{% endif %}") == tool_format("{{ tools }} <tool_call>")
     assert tool_format("{% if tools %}<tool_call>{% endif %}").style == "hermes"
     assert tool_format('{{ tools }} "parameters" <|python_tag|>').style == "llama3_json"
+
+
+def test_a_tokenizer_with_named_templates_uses_the_one_transformers_would():
+    class Named:  # transformers keeps a model's several templates as a dict (Hermes-2-Pro, Command-R)
+        chat_template = {"default": "{{ messages }}", "tool_use": "{{ tools }} <tool_call>"}
+
+    assert chat_template(Named(), None) == "{{ messages }}"
+    assert chat_template(Named(), TOOLS) == "{{ tools }} <tool_call>"
+    assert model_tool_format(Named(), TOOLS).native is True
+    assert model_tool_format(Named(), None).native is False

@@ -3,12 +3,24 @@ import { call, metrics, state, streamChat } from "./api.js";
 
 const $ = (id) => document.getElementById(id);
 const TIERS = ["device", "host", "disk", "shared"];
-const stored = JSON.parse(localStorage.getItem("kvserve-sessions") || "{}"); // id -> {model, system, turns}
+let stored = {}; // this key's sessions made here: id -> {model, system, turns, made (ms)}
 let current = null; // the session id chatting now
 let running = null; // the AbortController of the turn streaming now
+let busy = false; // a turn is being sent (set before its first await: a double Enter sends one)
+
+// Sessions belong to a tenant: each key keeps its own list in this browser.
+function place() {
+  let hash = 0;
+  for (const c of state.key) hash = (hash * 31 + c.charCodeAt(0)) >>> 0;
+  return `kvserve-sessions:${state.key ? hash.toString(16) : "no-key"}`;
+}
+
+function load() {
+  stored = JSON.parse(localStorage.getItem(place()) || "{}");
+}
 
 function save() {
-  localStorage.setItem("kvserve-sessions", JSON.stringify(stored));
+  localStorage.setItem(place(), JSON.stringify(stored));
 }
 
 function status(text, isError = false) {
@@ -36,15 +48,16 @@ function conversation(session, upto) {
   return messages;
 }
 
-function settings() {
-  return { model: $("model").value, temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value) };
+function settings(session) {
+  const model = session?.model || $("model").value; // a session answers with its own model only
+  return { model, temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value) };
 }
 
 async function newSession() {
   const body = { model: $("model").value };
   if ($("system").value.trim()) body.system = $("system").value.trim();
   const made = await call("POST", "/v1/sessions", body);
-  stored[made.id] = { model: made.model, system: body.system || "", turns: [] };
+  stored[made.id] = { model: made.model, system: body.system || "", turns: [], made: Date.now() };
   save();
   select(made.id);
   await refresh();
@@ -53,15 +66,25 @@ async function newSession() {
 function select(id) {
   current = id;
   $("session-name").textContent = id ? `session ${id}` : "no session: make one";
+  if (id && stored[id]) $("model").value = stored[id].model;
   renderTurns();
 }
 
 async function send(event) {
   event.preventDefault();
   const text = $("message").value.trim();
-  if (!text || running) return;
-  if (!current) await newSession();
-  const session = stored[current];
+  if (!text || busy) return;
+  busy = true;
+  try {
+    if (!current || !stored[current]) await newSession();
+    await turn(text, current);
+  } finally {
+    busy = false;
+  }
+}
+
+async function turn(text, id) {
+  const session = stored[id];
   const messages = [...conversation(session, session.turns.length), { role: "user", content: text }];
   const live = { user: text, assistant: "", status: "streaming" };
   session.turns.push(live);
@@ -70,10 +93,10 @@ async function send(event) {
   $("stop").disabled = false;
   $("message").value = "";
   try {
-    const turn = await streamChat({ ...settings(), messages }, {
-      signal: running.signal, sessionId: current, onText: (reply) => { live.assistant = reply; renderLive(live); },
+    const done = await streamChat({ ...settings(session), messages }, {
+      signal: running.signal, sessionId: id, onText: (reply) => { live.assistant = reply; renderLive(live); },
     });
-    Object.assign(live, { assistant: turn.text, status: "done", stats: stats(turn) });
+    Object.assign(live, { assistant: done.text, status: "done", stats: stats(done) });
     status(`turn ${session.turns.length}: ${live.stats.cached} of ${live.stats.prompt} prompt tokens from the cache`);
   } catch (error) {
     session.turns.pop(); // a stopped or failed turn did not happen: the session is as before it
@@ -107,7 +130,7 @@ async function recompute(index) {
   const turn = session.turns[index];
   const messages = [...conversation(session, index), { role: "user", content: turn.user }];
   status(`turn ${index + 1}: recomputing its prompt without the cache...`);
-  const again = await streamChat({ ...settings(), messages, max_tokens: 1, cache_prompt: false }, {});
+  const again = await streamChat({ ...settings(session), messages, max_tokens: 1, cache_prompt: false }, {});
   turn.nocache = { ttft: Math.round(again.firstMs), cached: again.usage.prompt_tokens_details.cached_tokens };
   save();
   renderTurns();
@@ -117,7 +140,8 @@ async function recompute(index) {
 async function fork(index) {
   const made = await call("POST", `/v1/sessions/${current}/fork`, { turn: index + 1 });
   const parent = stored[current];
-  stored[made.id] = { model: parent.model, system: parent.system, turns: structuredClone(parent.turns.slice(0, index + 1)) };
+  const turns = structuredClone(parent.turns.slice(0, index + 1));
+  stored[made.id] = { model: parent.model, system: parent.system, turns, made: Date.now() };
   save();
   select(made.id);
   status(`forked after turn ${index + 1}: ${made.id}`);
@@ -225,9 +249,14 @@ function renderPool(found) {
 }
 
 async function refresh() {
+  const asked = Date.now();
   try {
     const [list, found] = await Promise.all([call("GET", "/v1/sessions?limit=100"), metrics().catch(() => ({}))]);
-    for (const id of Object.keys(stored)) if (!list.data.some((s) => s.id === id) && !list.has_more) delete stored[id]; // gone (expired)
+    for (const [id, session] of Object.entries(stored)) {
+      const isGone = !list.has_more && !list.data.some((s) => s.id === id) && (session.made || 0) < asked;
+      if (isGone) delete stored[id]; // expired or deleted elsewhere (one made while this list was read is kept)
+    }
+    if (current && !stored[current]) select(null);
     save();
     renderSessions(list.data);
     renderPool(found);
@@ -238,7 +267,13 @@ async function refresh() {
 
 async function start() {
   $("api-key").value = state.key;
-  $("api-key").onchange = () => { state.key = $("api-key").value.trim(); localStorage.setItem("kvserve-key", state.key); start(); };
+  $("api-key").onchange = () => {
+    state.key = $("api-key").value.trim();
+    localStorage.setItem("kvserve-key", state.key);
+    load();
+    select(null);
+    start();
+  };
   $("new-session").onclick = () => newSession().catch((e) => status(e.message, true));
   $("composer").onsubmit = (event) => send(event).catch((e) => status(e.message, true));
   $("stop").onclick = () => running?.abort();
@@ -252,5 +287,6 @@ async function start() {
   await refresh();
 }
 
+load();
 start();
 setInterval(refresh, 5000);
