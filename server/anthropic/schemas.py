@@ -9,7 +9,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from server.openai.formats import FUNCTION_NAME, MAX_TOOLS
-from server.openai.schemas import SESSION_ID_PATTERN, WireModel, reject_unsupported
+from server.openai.schemas import SESSION_ID_PATTERN, WireModel, only_kinds, reject_unsupported
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 UNSUPPORTED: dict[str, tuple[Any, ...]] = dict.fromkeys(
@@ -70,17 +70,7 @@ Block = Annotated[
 ]
 
 
-def known_blocks(content: Any) -> Any:
-    """Images, documents, thinking and server-tool blocks are a 400 naming the block's type."""
-    for block in content if isinstance(content, list) else []:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind not in BLOCK_TYPES:
-            raise PydanticCustomError(
-                "unsupported_parameter",
-                "content blocks of type '{kind}' are not supported: this server's models read text and tools",
-                {"kind": str(kind)[:40]},
-            )
-    return content
+known_blocks = only_kinds(BLOCK_TYPES, "content blocks", ": this server's models read text and tools")
 
 
 class Message(BaseModel):
@@ -100,13 +90,7 @@ class Tool(BaseModel):
     cache_control: CacheControl | None = None
 
 
-def custom_tools_only(tools: Any) -> Any:
-    for tool in tools if isinstance(tools, list) else []:
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind not in (None, "custom"):
-            message = "tools of type '{kind}' are not supported (client tools with an input_schema are)"
-            raise PydanticCustomError("unsupported_parameter", message, {"kind": str(kind)[:40]})
-    return tools
+custom_tools_only = only_kinds((None, "custom"), "tools", " (client tools with an input_schema are)")
 
 
 class ToolChoice(BaseModel):

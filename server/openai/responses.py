@@ -9,7 +9,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from server.openai.formats import FUNCTION_NAME, MAX_TOOLS
-from server.openai.schemas import SESSION_ID_PATTERN, WireModel, reject_unsupported
+from server.openai.schemas import SESSION_ID_PATTERN, WireModel, only_kinds, reject_unsupported
 
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"
 ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference")
@@ -39,17 +39,9 @@ class InputPart(BaseModel):
     logprobs: list[Any] | None = None
 
 
-def _text_parts(parts: Any) -> Any:
-    if isinstance(parts, list):
-        for part in parts:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text", None):
-                raise PydanticCustomError(
-                    "unsupported_parameter",
-                    "content parts of type '{kind}' are not supported: this server's models read text only",
-                    {"kind": str(kind)[:40]},
-                )
-    return parts
+_text_parts = only_kinds(
+    ("input_text", "output_text", "text", None), "content parts", ": this server's models read text only"
+)
 
 
 class InputMessage(BaseModel):
@@ -136,16 +128,7 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-def _function_tools_only(tools: Any) -> Any:
-    for tool in tools if isinstance(tools, list) else []:
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise PydanticCustomError(
-                "unsupported_parameter",
-                "tools of type '{kind}' are not supported (function tools are)",
-                {"kind": str(kind)[:40]},
-            )
-    return tools
+_function_tools_only = only_kinds(("function",), "tools", " (function tools are)")
 
 
 class ChosenTool(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -168,18 +169,22 @@ class TextPart(BaseModel):
     text: str
 
 
-def text_parts_only(parts: Any) -> Any:
-    """Content parts other than text (images, audio, files) are a 400 naming the part's type."""
-    if isinstance(parts, list):
-        for part in parts:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("text", None):
-                raise PydanticCustomError(
-                    "unsupported_parameter",
-                    "content parts of type '{kind}' are not supported: this server's models read text only",
-                    {"kind": str(kind)[:40]},
-                )
-    return parts
+def only_kinds(allowed: tuple[str | None, ...], what: str, why: str) -> Callable[[Any], Any]:
+    """A before-validator: an item of a list (a content part, a block, a tool) whose `type` is not `allowed` is a
+    400 naming the type, before the union's own errors (which would name none)."""
+
+    def check(value: Any) -> Any:
+        for item in value if isinstance(value, list) else []:
+            kind = item.get("type") if isinstance(item, dict) else None
+            if kind not in allowed:
+                message = f"{what} of type '{{kind}}' are not supported{why}"
+                raise PydanticCustomError("unsupported_parameter", message, {"kind": str(kind)[:40]})
+        return value
+
+    return check
+
+
+text_parts_only = only_kinds(("text", None), "content parts", ": this server's models read text only")
 
 
 class ChatMessage(BaseModel):
