@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from server.serving.tool_reader import ToolReader, read_reply
@@ -74,10 +76,9 @@ def test_a_template_says_whether_it_renders_tools_and_how_calls_look():
 
 
 def test_a_tokenizer_with_named_templates_uses_the_one_transformers_would():
-    class Named:  # transformers keeps a model's several templates as a dict (Hermes-2-Pro, Command-R)
-        chat_template = {"default": "{{ messages }}", "tool_use": "{{ tools }} <tool_call>"}
-
-    assert chat_template(Named(), None) == "{{ messages }}"
-    assert chat_template(Named(), TOOLS) == "{{ tools }} <tool_call>"
-    assert model_tool_format(Named(), TOOLS).native is True
-    assert model_tool_format(Named(), None).native is False
+    # transformers keeps a model's several templates as a dict (Hermes-2-Pro, Command-R)
+    named = SimpleNamespace(chat_template={"default": "{{ messages }}", "tool_use": "{{ tools }} <tool_call>"})
+    assert chat_template(named, None) == "{{ messages }}"
+    assert chat_template(named, TOOLS) == "{{ tools }} <tool_call>"
+    assert model_tool_format(named, TOOLS).native is True
+    assert model_tool_format(named, None).native is False
