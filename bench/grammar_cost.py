@@ -218,7 +218,7 @@ def report(results: dict, args) -> str:
         f"decoding together for {args.steps} steps from random logits, each library's own batched mask call, the "
         "same mask application for both; microseconds per decoded token, medians over steps.",
         "",
-        "| library | mask | apply | feed token | **per token** | compile + 8 matchers | tokenizer setup |",
+        f"| library | mask | apply | feed token | **per token** | compile + {args.batch} matchers | tokenizer setup |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, result in results.items():

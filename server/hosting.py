@@ -11,7 +11,7 @@ from pathlib import Path
 
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
-from server.kv.block_store import BlockStore
+from server.kv.block_store import KNOWN_LIMIT, BlockStore
 from server.kv.redis_blocks import RedisBlocks
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel, ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
@@ -51,7 +51,7 @@ class ModelHost:
             leases = RedisLeases(settings.shared_url, settings.shared_lease_s)
             shared = SharedRecords(settings.shared_url)
             self.redis_blocks = RedisBlocks(settings.shared_url)
-            self.tiers.shared = BlockStore(self.redis_blocks, "shared", MAX_SHARED_JOBS)
+            self.tiers.shared = BlockStore(self.redis_blocks, "shared", MAX_SHARED_JOBS, KNOWN_LIMIT)
         self.store = SessionStore(
             settings.session_ttl_s, journal=journal, forgetters=(self.tiers,), leases=leases, shared=shared
         )

@@ -9,8 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 K8S = Path(__file__).resolve().parents[1] / "docker" / "k8s"
 VALIDATE = shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent))

@@ -9,7 +9,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from server.openai.formats import FUNCTION_NAME, MAX_TOOLS
-from server.openai.schemas import SESSION_ID_PATTERN, WireModel, only_kinds, reject_unsupported
+from server.openai.schemas import SESSION_ID_PATTERN, Unused, WireModel, only_kinds, reject_unsupported
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 UNSUPPORTED: dict[str, tuple[Any, ...]] = dict.fromkeys(
@@ -161,9 +161,6 @@ class CountTokensRequest(Conversation):
 class Metadata(BaseModel):
     model_config = ConfigDict(extra="forbid")
     user_id: str | None = Field(None, max_length=256)
-
-
-Unused = SkipJsonSchema[Any]
 
 
 class MessagesRequest(Conversation):

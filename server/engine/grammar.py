@@ -110,12 +110,17 @@ class Grammars:
 FORBIDDEN = -1e30  # added to a forbidden token's logit: no softmax, argmax or draw can pick it
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: logits [R, V] get FORBIDDEN added where bit j of row r (bitmask [R, ceil(V / 32)], int32) is 0.
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """In place: row `rows[r]` of logits [B, V] (row r, without `rows`) gets FORBIDDEN added where bit j of
+    bitmask row r ([R, ceil(V / 32)], int32) is 0.
 
     An add of 0 or FORBIDDEN, not masked_fill: filling by a mask this irregular runs branch by branch on the
-    CPU (1.5 ms for 8 rows of 49,152 here, against 0.7 ms)."""
+    CPU (1.5 ms for 8 rows of 49,152 here, against 0.7 ms); and an indexed add, not a gather and a scatter back
+    (0.14 ms against 0.44 ms for 4 rows of 8)."""
     vocab = logits.shape[1]
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]  # [R, V] 0/1
     penalty = torch.from_numpy(bits).to(logits.device, logits.dtype).sub_(1).mul_(-FORBIDDEN)
-    logits.add_(penalty)
+    if rows is None or rows == list(range(logits.shape[0])):
+        logits.add_(penalty)
+    else:
+        logits.index_add_(0, torch.tensor(rows, device=logits.device), penalty)

@@ -225,9 +225,7 @@ class EngineLoop:
         try:
             bitmask = self.grammars.fill_masks([sampled[i].constraint for i in rows])  # type: ignore[misc]
             with torch.inference_mode():  # the logits are the forward pass's inference tensors
-                masked = logits[rows]
-                apply_bitmask(masked, bitmask)
-                logits[rows] = masked
+                apply_bitmask(logits, bitmask, rows)
         except Exception:
             log.exception("computing grammar masks failed for %d requests", len(rows))
             for index in rows:

@@ -17,6 +17,8 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
+from server.http import errors
+
 DOCS_STATIC = "/docs/static"
 OPEN_PATHS = frozenset({"/health", "/ready", "/docs", "/openapi.json"})  # need no key (with /metrics when set so)
 GENERATION = (400, 401, 404, 408, 409, 413, 429, 503, 504)
@@ -144,7 +146,7 @@ def honest(schema: dict[str, Any], max_tokens_limit: int) -> dict[str, Any]:
 def _correct(path: str, method: str, operation: dict[str, Any]) -> None:
     responses = operation.setdefault("responses", {})
     responses.pop("422", None)
-    error = "AnthropicError" if path.startswith("/v1/messages") else "Error"
+    error = "AnthropicError" if path.startswith(errors.ANTHROPIC_PREFIX) else "Error"
     for status in ERRORS.get((method, path), (400, 401)):
         responses[str(status)] = {
             "description": STATUS_TEXT[status],

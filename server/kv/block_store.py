@@ -36,7 +36,7 @@ from server.kv.pool import KVLayout
 from server.kv.snapshot import VERSION, decode_block, encode_block
 
 log = logging.getLogger("kvserve.blocks")
-KNOWN_LIMIT = 1 << 20  # addresses remembered as already held
+KNOWN_LIMIT = 1 << 20  # addresses the shared store remembers as already held
 CHUNK = 8  # blocks per round trip: one reply never carries more than a few MB
 READERS = 4  # chunks read and checked at once: file reads, Redis round trips and SHA-256 release the GIL
 
@@ -104,9 +104,12 @@ class BlockStats:
 
 
 class BlockStore:
-    def __init__(self, backend: BlockBackend, origin: str, max_queued: int = 0) -> None:
+    def __init__(self, backend: BlockBackend, origin: str, max_queued: int = 0, known_limit: int = 0) -> None:
+        """`known_limit`: how many addresses seen held to remember, so `unknown` asks no round trip (0: none; the
+        disk backend answers `held` from memory anyway)."""
         self.backend, self.origin = backend, origin  # origin: the tier's name in X-Cache-Source
         self.stats = BlockStats()
+        self._known_limit = known_limit
         self._known: OrderedDict[str, None] = OrderedDict()  # seen held (written or read): copied no more
         self._known_lock = threading.Lock()
         self._queue: queue.Queue[WriteJob | None] = queue.Queue(max_queued)  # 0: unbounded
@@ -231,11 +234,13 @@ class BlockStore:
                 self._known.pop(name, None)
 
     def _remember(self, names: list[str]) -> None:
+        if not self._known_limit:
+            return
         with self._known_lock:
             for name in names:
                 self._known[name] = None
                 self._known.move_to_end(name)
-            while len(self._known) > KNOWN_LIMIT:
+            while len(self._known) > self._known_limit:
                 self._known.popitem(last=False)
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ class DiskBlocks:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._sizes: dict[str, int] = {}  # address -> bytes of its file
+        self._nbytes = 0  # their sum, kept as blocks come and go (the disk tier's budget asks after every write)
         self._lock = threading.Lock()
 
     def path_for(self, name: str) -> Path:
@@ -39,7 +40,10 @@ class DiskBlocks:
         for path in self.directory.glob("*/*"):
             name = path.name.removesuffix(SUFFIX)
             if path.name.endswith(SUFFIX) and NAME.fullmatch(name) and path.parent.name == name[:2]:
-                self._sizes[name] = path.stat().st_size
+                size = path.stat().st_size
+                with self._lock:
+                    self._nbytes += size - self._sizes.get(name, 0)
+                    self._sizes[name] = size
             elif path.is_file():
                 path.unlink(missing_ok=True)
                 swept += 1
@@ -57,7 +61,7 @@ class DiskBlocks:
     def nbytes(self) -> int:
         """The bytes of every block file held: shared blocks count once."""
         with self._lock:
-            return sum(self._sizes.values())
+            return self._nbytes
 
     def held(self, names: list[str]) -> list[bool]:
         with self._lock:
@@ -75,6 +79,7 @@ class DiskBlocks:
                 partial.write_bytes(value)
                 with self._lock:
                     os.replace(partial, path)
+                    self._nbytes += len(value) - self._sizes.get(name, 0)
                     self._sizes[name] = len(value)
             except BaseException:
                 partial.unlink(missing_ok=True)
@@ -94,7 +99,9 @@ class DiskBlocks:
     def delete(self, names: list[str]) -> None:
         with self._lock:
             for name in names:
-                if self._sizes.pop(name, None) is not None:
+                size = self._sizes.pop(name, None)
+                if size is not None:
+                    self._nbytes -= size
                     self.path_for(name).unlink(missing_ok=True)
 
     def close(self) -> None:

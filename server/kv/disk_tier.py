@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from pathlib import Path
 from server.kv.block_store import BlockStore, WriteJob, addresses, leading_run
 from server.kv.disk_blocks import DiskBlocks
 from server.kv.snapshot import Snapshot
-from server.sessions.journal import Tombstones, state_path, sweep
+from server.sessions.journal import Tombstones, state_path, sweep, write_json
 from server.sessions.record import SessionKey
 
 log = logging.getLogger("kvserve.tiers")
@@ -41,7 +40,8 @@ class Manifest:
 
 
 class DiskTier:
-    def __init__(self, directory: Path, budget_bytes: int, block_size: int) -> None:
+    def __init__(self, directory: Path, budget_bytes: int, block_size: int, deleted: Tombstones) -> None:
+        """`deleted`: the keys deleted lately, the tier store's (a write that raced with a delete is not kept)."""
         self.directory, self.budget_bytes, self.block_size = directory, budget_bytes, block_size
         self.blocks = DiskBlocks(directory / "blocks")
         self.store = BlockStore(self.blocks, "disk")
@@ -49,7 +49,7 @@ class DiskTier:
         self._manifests: OrderedDict[SessionKey, Manifest] = OrderedDict()  # least recently used first
         self._writing: dict[SessionKey, Manifest] = {}  # the latest write of each key still in flight
         self._refs: Counter[str] = Counter()  # address -> manifests and writes in flight naming it
-        self._deleted = Tombstones()
+        self._deleted = deleted
         self.num_failed_writes = 0  # snapshots the disk did not take (dropped: their sessions recompute)
         self.num_evicted = 0
         self.num_swept = 0  # temporary files a crash left behind, removed at start
@@ -80,58 +80,55 @@ class DiskTier:
     def _commit(self, manifest: Manifest, is_whole: bool) -> None:
         key = manifest.key
         with self._lock:
-            is_current = self._writing.get(key) is manifest and key not in self._deleted
-            if self._writing.get(key) is manifest:
+            is_latest = self._writing.get(key) is manifest
+            if is_latest:
                 del self._writing[key]
-            is_kept = False
-            try:
-                if is_whole and is_current:
+            if is_whole and is_latest and key not in self._deleted:
+                try:
                     self._save(manifest)
-                    is_kept = True
-            except Exception as exc:  # a full disk, or anything else: the write's references must not leak
-                log.warning("the K/V manifest of session %s was not written (%s); it is dropped", key.name, exc)
-                is_whole = False
-            finally:
-                if is_kept:
+                except Exception as exc:  # a full disk, or anything else: the write's references must not leak
+                    log.warning("the K/V manifest of session %s was not written (%s); it is dropped", key.name, exc)
+                    is_whole = False
+                else:
                     old = self._manifests.pop(key, None)
                     self._manifests[key] = manifest
                     self._release(old.names if old else [])
-                else:
-                    self._release(manifest.names)
-                    self.num_failed_writes += not is_whole
-                self._evict()
+                    self._evict()
+                    return
+            self._release(manifest.names)
+            self.num_failed_writes += not is_whole
+            self._evict()
 
     def _save(self, manifest: Manifest) -> None:
-        path = self.path_for(manifest.key)
         key = manifest.key
         record: dict[str, object] = {"format": FORMAT, "version": VERSION, "model": manifest.model_id}
         record |= {"fingerprint": manifest.fingerprint, "block_size": self.block_size}
         record |= {"session": [key.tenant, key.name, key.kind], "token_ids": manifest.token_ids}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps(record, separators=(",", ":")))
-        os.replace(partial, path)
+        write_json(self.path_for(key), record)
 
     def flush(self) -> None:
         self.store.flush()
 
     # -- reading ------------------------------------------------------------------------
     def manifest(self, key: SessionKey, use: bool = True) -> Manifest | None:
-        """What the disk holds for `key` (its blocks written), or None; a use (not a peek) moves it up the LRU."""
+        """What the disk holds for `key` (its blocks written), or None; a use (not a peek) moves it up the LRU.
+
+        A peek takes no lock: the engine thread peeks, and the lock's holder may be deleting block files
+        (one dict lookup is atomic, and a manifest is replaced, never changed, once it is in the dict)."""
+        if not use:
+            return self._manifests.get(key)
         with self._lock:
             manifest = self._manifests.get(key)
-            if manifest is not None and use:
+            if manifest is not None:
                 self._manifests.move_to_end(key)
             return manifest
 
     def holds(self, snapshot: Snapshot) -> bool:
-        """The disk already holds (or is writing) this very snapshot."""
-        with self._lock:
-            found = (self._manifests.get(snapshot.key), self._writing.get(snapshot.key))
-            return any(
-                m is not None and (m.fingerprint, m.token_ids) == (snapshot.fingerprint, snapshot.token_ids)
-                for m in found
-            )
+        """The disk already holds (or is writing) this very snapshot. A peek, without the lock (see `manifest`)."""
+        found = (self._manifests.get(snapshot.key), self._writing.get(snapshot.key))
+        return any(
+            m is not None and (m.fingerprint, m.token_ids) == (snapshot.fingerprint, snapshot.token_ids) for m in found
+        )
 
     def tail(self, key: SessionKey, fingerprint: str, usable_ids: list[int]) -> tuple[int, str] | None:
         """(block index, address) of the partial last block `key`'s manifest names, when the prompt's usable ids
@@ -140,10 +137,9 @@ class DiskTier:
         if manifest is None or manifest.fingerprint != fingerprint:
             return None
         num_tokens = len(manifest.token_ids)
-        if num_tokens % self.block_size == 0 or num_tokens > len(usable_ids):
+        if num_tokens % self.block_size == 0 or usable_ids[:num_tokens] != manifest.token_ids:
             return None
-        name = addresses(fingerprint, self.block_size, key.tenant, usable_ids[:num_tokens], tail=True)[-1]
-        return num_tokens // self.block_size, name
+        return num_tokens // self.block_size, manifest.names[-1]  # the manifest's own tokens: its address holds
 
     def usage(self, key: SessionKey) -> tuple[int, int, int]:
         """(tokens, exclusive bytes, shared bytes) of `key`'s K/V on disk."""
@@ -171,10 +167,6 @@ class DiskTier:
             manifest = self._manifests.pop(key, None)
             self._release(manifest.names if manifest else [])
             self.path_for(key).unlink(missing_ok=True)  # under the lock: a new manifest of a revived key survives
-
-    def revive(self, key: SessionKey) -> None:
-        with self._lock:
-            self._deleted.revive(key)
 
     def _release(self, names: list[str]) -> None:
         gone = []

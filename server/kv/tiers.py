@@ -55,13 +55,13 @@ class TierStore:
         self, host_budget_bytes: int, disk_budget_bytes: int, directory: Path | None, block_size: int = 16
     ) -> None:
         self.host_budget_bytes, self.block_size = host_budget_bytes, block_size
-        self.disk = DiskTier(directory, disk_budget_bytes, block_size) if directory is not None else None
+        self._deleted = Tombstones()  # shared with the disk tier
+        self.disk = DiskTier(directory, disk_budget_bytes, block_size, self._deleted) if directory is not None else None
         self.shared: BlockStore | None = None  # replicas: blocks in Redis, below this process's tiers
         self.is_enabled = host_budget_bytes > 0 or directory is not None  # a snapshot has somewhere to go
         self._lock = threading.RLock()
         self._host: OrderedDict[SessionKey, Snapshot] = OrderedDict()
         self._writing: dict[SessionKey, Snapshot] = {}  # on their way to disk: still readable from memory
-        self._deleted = Tombstones()
         self._num_dropped = 0  # snapshots with nowhere to go (no disk, or larger than its budget)
         self.stats = TierStats()
 
@@ -74,8 +74,6 @@ class TierStore:
         """A new session under a name deleted before: its K/V may be kept again."""
         with self._lock:
             self._deleted.revive(key)
-        if self.disk is not None:
-            self.disk.revive(key)
 
     def scan(self, keys: set[SessionKey] | None = None) -> int:
         """At start: index the K/V a previous run left on disk, dropping that of sessions not in `keys` (no record

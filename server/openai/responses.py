@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
-from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from server.openai.formats import FUNCTION_NAME, MAX_TOOLS
-from server.openai.schemas import SESSION_ID_PATTERN, WireModel, only_kinds, reject_unsupported
+from server.openai.schemas import SESSION_ID_PATTERN, Unused, WireModel, only_kinds, reject_unsupported
 
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"
 ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference")
@@ -28,7 +27,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "stream_options": (None,),
     "safety_identifier": (None,),
 }
-Unused = SkipJsonSchema[Any]
 
 
 class InputPart(BaseModel):
@@ -52,11 +50,6 @@ class InputMessage(BaseModel):
     id: str | None = Field(None, max_length=256)
     status: str | None = Field(None, max_length=32)
 
-    _text_only = field_validator("content", mode="before")(_text_parts)
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
 
 class FunctionCallItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -75,11 +68,6 @@ class FunctionCallOutputItem(BaseModel):
     output: str | list[InputPart]
     id: str | None = Field(None, max_length=256)
     status: str | None = Field(None, max_length=32)
-
-    _text_only = field_validator("output", mode="before")(_text_parts)
-
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
 class ItemReference(BaseModel):

@@ -32,7 +32,7 @@ class Answer:
     events: AsyncIterator[Event]
     meta: chunks.Meta
     token_text: Callable[[int], str]
-    reader: ToolReader | None = None
+    reader: ToolReader
 
     async def collect(self, http: Request, headers: dict[str, str]) -> JSONResponse:
         watcher = asyncio.create_task(cancel_on_disconnect(http, self.handle))
@@ -45,12 +45,8 @@ class Answer:
                     logprobs.extend(event.logprobs or [])
                 elif isinstance(event, Finished):
                     lp = chunks.choice_logprobs(self.meta, logprobs if logprobs else None, self.token_text, 0)
-                    text, calls = "".join(parts), None
-                    if self.reader is not None:
-                        self.reader.feed(text)
-                        self.reader.finish()
-                        message = self.reader.message()  # the content as the session records it
-                        text, calls = message["content"], message.get("tool_calls")
+                    message = self.reader.read_all("".join(parts))  # the content as the session records it
+                    text, calls = message["content"], message.get("tool_calls")
                     body = chunks.full_response(self.meta, text, event.finish_reason, event.usage, lp, calls)
                     return JSONResponse(body, headers=headers)
                 elif isinstance(event, Failed):
@@ -67,9 +63,7 @@ class Answer:
                 yield _data(chunks.delta_chunk(meta, "", role=True))
             async for event in self.events:
                 if isinstance(event, TextDelta):
-                    text, calls = event.text, list[dict[str, Any]]()
-                    if self.reader is not None:
-                        text, calls = self.reader.feed(event.text)
+                    text, calls = self.reader.feed(event.text)
                     lp = chunks.choice_logprobs(meta, event.logprobs, self.token_text, offset)
                     offset += len(text)
                     if text or lp is not None:
@@ -77,14 +71,12 @@ class Answer:
                     for chunk in self._calls(calls):
                         yield _data(chunk)
                 elif isinstance(event, Finished):
-                    finish = event.finish_reason
-                    if self.reader is not None:
-                        text, calls = self.reader.finish()
-                        if text:
-                            yield _data(chunks.delta_chunk(meta, text))
-                        for chunk in self._calls(calls):
-                            yield _data(chunk)
-                        finish = chunks.finish_reason_of(finish, self.reader.calls)
+                    text, calls = self.reader.finish()
+                    if text:
+                        yield _data(chunks.delta_chunk(meta, text))
+                    for chunk in self._calls(calls):
+                        yield _data(chunk)
+                    finish = chunks.finish_reason_of(event.finish_reason, self.reader.calls)
                     yield _data(chunks.delta_chunk(meta, None if meta.is_chat else "", finish))
                     if include_usage:
                         yield _data(chunks.usage_chunk(meta, event.usage))
@@ -97,7 +89,6 @@ class Answer:
     def _calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not calls:
             return []
-        assert self.reader is not None
         return chunks.tool_call_chunks(self.meta, calls, len(self.reader.calls) - len(calls))
 
 

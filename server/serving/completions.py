@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Any
 
 from fastapi import Request
@@ -21,8 +21,8 @@ from server.serving import continuation, structured
 from server.serving.answers import Answer
 from server.serving.core import Serving, answer_headers, session_key
 from server.serving.prompts import chat_messages, check_text_size, completion_ids, sampling_params
-from server.serving.tool_reader import ToolReader, read_reply
-from server.serving.tools import ToolUse, call_markers, model_tool_format, tool_use
+from server.serving.tool_reader import Reading
+from server.serving.tools import tool_use
 from server.sessions.record import Session, SessionKey
 
 SEND_TIMEOUT_S = 60  # a client that accepts no bytes for this long is disconnected
@@ -38,7 +38,7 @@ class Ask:
     key: SessionKey | None  # the session or bucket it names
     prompt_ids: list[int]
     messages: list[dict[str, Any]] | None  # chat: what the ids render (kept in the session record)
-    tools: ToolUse | None = None
+    reading: Reading  # how its reply is read (tool calls)
     constraint: Constraint | None = None  # its structured output's grammar (or the forced tool calls')
 
 
@@ -56,28 +56,23 @@ class Completions:
             check_text_size(engine.loaded, [prompt], "prompt")
         ids = await asyncio.to_thread(completion_ids, req, engine.loaded)  # tokenizing: off the event loop
         constraint = await structured.constraint(engine, structured.format_schema(req.response_format), None, "")
-        ask = Ask(engine, tenant, key, ids, None, constraint=constraint)
+        ask = Ask(engine, tenant, key, ids, None, Reading(None, "", "cmpl-" + uuid.uuid4().hex), constraint)
         return await self._run(req, http, ask, req.max_tokens, req.logprobs)
 
     async def chat(self, req: ChatCompletionRequest, http: Request, tenant: str) -> Any:
         engine = self.serving.engine(req.model)
         key = session_key(req, http, tenant)
-        view = await self._view(key, engine)
+        view = await self.serving.session_view(key, engine)
         messages = with_session_system(chat_messages(req), view)
         check_text_size(engine.loaded, [m["content"] for m in messages], "messages")
         tools = tool_use(req)
         ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, view, tools)  # off the loop
-        style = model_tool_format(engine.loaded.tokenizer, tools).style
-        constraint = await structured.constraint(engine, structured.format_schema(req.response_format), tools, style)
+        reading = Reading.of(engine.loaded.tokenizer, tools, "chatcmpl-" + uuid.uuid4().hex)
+        schema = structured.format_schema(req.response_format)
+        constraint = await structured.constraint(engine, schema, tools, reading.style)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        ask = Ask(engine, tenant, key, ids, messages, tools, constraint)
+        ask = Ask(engine, tenant, key, ids, messages, reading, constraint)
         return await self._run(req, http, ask, req.output_limit(), num_logprobs)
-
-    async def _view(self, key: SessionKey | None, engine: Engine) -> Session | None:
-        """The named session as it is (None: no session, a bucket, or another model's: admission says so)."""
-        is_named = key is not None and not key.is_bucket
-        view = await self.serving.off_loop(self.serving.store.view, key) if is_named else None
-        return view if view is not None and view.model_id == engine.model_id else None
 
     async def _run(
         self, req: SamplingFields, http: Request, ask: Ask, max_tokens: int | None, num_logprobs: int | None
@@ -89,10 +84,9 @@ class Completions:
             req, engine.loaded, num_prompt, max_tokens, s.default_max_tokens, num_logprobs, s.max_tokens_limit
         )
         key = serving.session_for(ask.key, num_prompt + params.max_tokens, engine)
-        request_id = ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
-        tools, style = ask.tools, model_tool_format(engine.loaded.tokenizer, ask.tools).style
+        request_id = ask.reading.request_id
         gen = serving.request(
-            request_id=request_id,
+            reading=ask.reading,
             prompt_ids=ask.prompt_ids,
             params=params,
             tenant=ask.tenant,
@@ -101,17 +95,13 @@ class Completions:
             use_cache=req.cache_prompt,
             messages=ask.messages,
             constraint=ask.constraint,
-            tools=tools.definitions() if tools is not None else None,
-            reply=partial(read_reply, tools=tools, style=style, request_id=request_id) if is_chat else None,
-            shown_special_ids=call_markers(engine.loaded.tokenizer, tools),
         )
         started = time.monotonic()
         handle, admitted = await serving.start(engine, gen, http)
         events = serving.metrics.meter(handle, engine.model_id, started)
         meta = chunks.Meta(request_id, int(time.time()), engine.model_id, is_chat)
         headers = answer_headers(admitted, key)
-        reader = ToolReader.of(tools, style, request_id)
-        answer = Answer(handle, events, meta, _token_texts(engine.loaded.tokenizer), reader)
+        answer = Answer(handle, events, meta, _token_texts(engine.loaded.tokenizer), ask.reading.reader())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return event_stream(answer.stream(include_usage), headers)

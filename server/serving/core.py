@@ -24,7 +24,8 @@ from server.hosting import ModelHost
 from server.metrics import Metrics
 from server.openai.errors import ApiError
 from server.openai.schemas import SESSION_ID_PATTERN
-from server.sessions.record import SessionKey
+from server.serving.tool_reader import Reading
+from server.sessions.record import Session, SessionKey
 
 log = logging.getLogger("kvserve.requests")
 SESSION_HEADER = "X-Session-ID"
@@ -58,7 +59,7 @@ class Serving:
     def request(
         self,
         *,
-        request_id: str,
+        reading: Reading,
         prompt_ids: list[int],
         params: SamplingParams,
         tenant: str,
@@ -67,13 +68,13 @@ class Serving:
         use_cache: bool = True,
         messages: list[dict[str, Any]] | None = None,
         constraint: Constraint | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        reply: Callable[[str], dict[str, Any]] | None = None,
-        shown_special_ids: frozenset[int] = frozenset(),
     ) -> GenerationRequest:
-        """The request the engine runs; `kv_source`: whose lower-tier snapshot may hold the prompt's K/V."""
+        """The request the engine runs; `reading`: its id, and how its reply is read (a chat reply, with
+        `messages`, is recorded as the message read out of it); `kv_source`: whose lower-tier snapshot may hold
+        the prompt's K/V."""
+        tools = reading.tools
         return GenerationRequest(
-            request_id=request_id,
+            request_id=reading.request_id,
             prompt_ids=prompt_ids,
             params=params,
             tenant=tenant,
@@ -84,9 +85,9 @@ class Serving:
             timeout_s=self.settings.request_timeout_s,
             max_unread_events=self.settings.max_unread_events,
             constraint=constraint,
-            tools=tools,
-            reply=reply,
-            shown_special_ids=shown_special_ids,
+            tools=tools.definitions() if tools is not None else None,
+            reply=reading.reply if messages is not None else None,
+            shown_special_ids=reading.markers,
         )
 
     async def start(
@@ -123,6 +124,13 @@ class Serving:
         if self.settings.log_prompts:
             log.debug("request %s prompt ids: %s", gen.request_id, gen.prompt_ids)
         return handle, first
+
+    async def session_view(self, key: SessionKey | None, engine: Engine) -> Session | None:
+        """The named session as it is (None: no session, a bucket, or another model's: admission says so)."""
+        if key is None or key.is_bucket:
+            return None
+        view = await self.off_loop(self.store.view, key)
+        return view if view is not None and view.model_id == engine.model_id else None
 
     def session_for(self, key: SessionKey | None, num_new_tokens: int, engine: Engine) -> SessionKey | None:
         """The session a request may use: a bucket past the tenant's limit is dropped, a session checked."""

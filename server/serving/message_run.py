@@ -16,7 +16,7 @@ from server.engine.handle import RequestHandle
 from server.engine.request import Admitted, Event, Failed, Finished, TextDelta
 from server.openai.errors import CODE_STATUS, ApiError
 from server.serving.core import cancel_on_disconnect
-from server.serving.tool_reader import ToolReader
+from server.serving.tool_reader import LeadingBlank, ToolReader
 
 
 class MessageRun:
@@ -24,7 +24,7 @@ class MessageRun:
         self,
         message_id: str,
         model: str,
-        reader: ToolReader | None,
+        reader: ToolReader,
         num_marked: int,
         admitted: Admitted,
         ttl_s: float | None,
@@ -39,12 +39,6 @@ class MessageRun:
     def _usage(self, num_output: int) -> dict[str, Any]:
         return usage(self.num_prompt, self.num_cached, self.num_created, num_output, self.is_hour)
 
-    def _reply(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        if self.reader is None:
-            return text, []
-        message = self.reader.message()
-        return message["content"], message.get("tool_calls", [])
-
     async def collect(
         self, handle: RequestHandle, events: AsyncIterator[Event], http: Request, headers: dict[str, str]
     ) -> JSONResponse:
@@ -55,10 +49,8 @@ class MessageRun:
                 if isinstance(item, TextDelta):
                     parts.append(item.text)
                 elif isinstance(item, Finished):
-                    if self.reader is not None:
-                        self.reader.feed("".join(parts))
-                        self.reader.finish()
-                    text, calls = self._reply("".join(parts))
+                    message = self.reader.read_all("".join(parts))
+                    text, calls = message["content"], message.get("tool_calls", [])
                     reason = stop_reason(item.finish_reason, item.stop_sequence, bool(calls))
                     body = message_object(
                         self.message_id, self.model, content_blocks(text, calls), stop_reason=reason,
@@ -80,11 +72,11 @@ class MessageRun:
             yield event("message_start", message=start)
             async for item in events:
                 if isinstance(item, TextDelta) and item.text:
-                    text, calls = self.reader.feed(item.text) if self.reader is not None else (item.text, [])
+                    text, calls = self.reader.feed(item.text)
                     for sse in blocks.text(text) + blocks.calls(calls):
                         yield sse
                 elif isinstance(item, Finished):
-                    text, calls = self.reader.finish() if self.reader is not None else ("", [])
+                    text, calls = self.reader.finish()
                     for sse in blocks.text(text, last=True) + blocks.calls(calls) + blocks.close():
                         yield sse
                     reason = stop_reason(item.finish_reason, item.stop_sequence, bool(blocks.num_calls))
@@ -105,12 +97,11 @@ class _BlockStream:
         self.index = 0  # the next block's
         self.is_open = False
         self.num_calls = 0
-        self._blank = ""  # whitespace before any visible text
+        self._blank = LeadingBlank()
 
     def text(self, text: str, last: bool = False) -> list[ServerSentEvent]:
-        text, self._blank = self._blank + text, ""
-        if not text or (not self.is_open and not text.strip() and not (last and not self.num_calls)):
-            self._blank = text
+        text = self._blank.take(text, self.is_open, last, self.num_calls)
+        if not text:
             return []
         out = [] if self.is_open else self._open()
         delta = {"type": "text_delta", "text": text}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from typing import Any
@@ -31,16 +30,8 @@ from server.serving.completions import event_stream
 from server.serving.core import Serving, answer_headers, session_key
 from server.serving.message_run import MessageRun
 from server.serving.prompts import check_text_size, output_budget
-from server.serving.tool_reader import ToolReader, read_reply
-from server.serving.tools import (
-    NO_PARAMETERS,
-    ToolSpec,
-    ToolUse,
-    assistant_message,
-    call_markers,
-    canonical_arguments,
-    model_tool_format,
-)
+from server.serving.tool_reader import Reading
+from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, canonical_arguments
 from server.sessions.errors import SessionBusy
 from server.sessions.record import SessionKey
 
@@ -65,16 +56,20 @@ class Messages:
         ttl = req.cache_ttl()
         if key is not None and ttl is not None and not await serving.off_loop(self.store.is_live, key):
             await serving.off_loop(self._create, key, engine.model_id, ttl)
-        view = await serving.off_loop(self.store.view, key) if key is not None else None
-        view = view if view is not None and view.model_id == engine.model_id else None
+        view = await serving.session_view(key, engine)
         messages, ends = chat_of(req)
         check_text_size(loaded, [m["content"] for m in messages], "messages")
         tools = tool_use_of(req)
-        style = model_tool_format(loaded.tokenizer, tools).style
-        ids = await asyncio.to_thread(continuation.prompt_ids, loaded, messages, view, tools)
-        boundary = await asyncio.to_thread(cached_prefix_len, loaded, req, messages, ends, tools)
+        reading = Reading.of(loaded.tokenizer, tools, "msg_" + uuid.uuid4().hex)
+
+        def prompt() -> tuple[list[int], int]:  # the prompt's ids and the cached prefix's length: one hop
+            ids = continuation.prompt_ids(loaded, messages, view, tools)
+            return ids, cached_prefix_len(loaded, req, messages, ends, tools)
+
+        ids, boundary = await asyncio.to_thread(prompt)
         fmt = req.output_config.format if req.output_config is not None else None
-        constraint = await structured.constraint(engine, fmt.schema_ if fmt is not None else None, tools, style)
+        schema = fmt.schema_ if fmt is not None else None
+        constraint = await structured.constraint(engine, schema, tools, reading.style)
         budget = (
             0
             if req.max_tokens == 0
@@ -85,9 +80,8 @@ class Messages:
             stop=list(req.stop_sequences or []),
         )  # fmt: skip
         session = serving.session_for(key, len(ids) + budget, engine)
-        message_id = "msg_" + uuid.uuid4().hex
         gen = serving.request(
-            request_id=message_id,
+            reading=reading,
             prompt_ids=ids,
             params=params,
             tenant=tenant,
@@ -95,14 +89,11 @@ class Messages:
             kv_source=session if session is not None and not session.is_bucket else None,
             messages=messages,
             constraint=constraint,
-            tools=tools.definitions() if tools is not None else None,
-            reply=lambda text: read_reply(text, tools, style, message_id),
-            shown_special_ids=call_markers(loaded.tokenizer, tools),
         )
         started = time.monotonic()
         handle, admitted = await serving.start(engine, gen, http)
-        reader = ToolReader.of(tools, style, message_id)
-        run = MessageRun(message_id, engine.model_id, reader, min(boundary, len(ids)), admitted, ttl)
+        reader = reading.reader()
+        run = MessageRun(reading.request_id, engine.model_id, reader, min(boundary, len(ids)), admitted, ttl)
         headers = answer_headers(admitted, session)
         events = serving.metrics.meter(handle, engine.model_id, started)
         if req.stream:
@@ -140,7 +131,7 @@ def chat_of(req: Conversation) -> tuple[list[dict[str, Any]], list[int]]:
 
 
 def _call(block: ToolUseBlock) -> dict[str, Any]:
-    function = {"name": block.name, "arguments": canonical_arguments(json.dumps(block.input))}
+    function = {"name": block.name, "arguments": canonical_arguments(block.input)}
     return {"id": block.id, "type": "function", "function": function}
 
 

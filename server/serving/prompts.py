@@ -29,9 +29,7 @@ def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
     if isinstance(prompt, str):
         ids = loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
-        ids = list(prompt)
-        if any(not 0 <= t < loaded.vocab_size for t in ids):
-            raise ApiError(400, "invalid_parameter", f"token ids must be in [0, {loaded.vocab_size})", "prompt")
+        ids = checked_ids(list(prompt), loaded.vocab_size, "prompt")
     return _non_empty(ids, "prompt")
 
 
@@ -88,7 +86,7 @@ def sampling_params(
         seed=req.seed,
         num_logprobs=num_logprobs,
         stop=req.stop_list(),
-        stop_token_ids=_token_ids(req.stop_token_ids or [], loaded.vocab_size, "stop_token_ids"),
+        stop_token_ids=checked_ids(req.stop_token_ids or [], loaded.vocab_size, "stop_token_ids"),
         ignore_eos=req.ignore_eos,
     )
 
@@ -119,11 +117,12 @@ def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float]:
         if not re.fullmatch(r"-?[0-9]{1,9}", key):
             raise ApiError(400, "invalid_parameter", "logit_bias keys must be token ids", "logit_bias")
         bias[int(key)] = value
-    _token_ids(list(bias), vocab_size, "logit_bias")
+    checked_ids(list(bias), vocab_size, "logit_bias")
     return bias
 
 
-def _token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+def checked_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
+    """Token ids in the model's vocabulary, else a 400 naming `param`."""
     if any(not 0 <= t < vocab_size for t in ids):
         raise ApiError(400, "invalid_parameter", f"token ids must be in [0, {vocab_size})", param)
     return ids

@@ -17,7 +17,7 @@ from server.openai.errors import CODE_STATUS, ApiError
 from server.openai.response_objects import call_item_id, function_call_item, message_id, message_item, response_object
 from server.serving.answers import failure
 from server.serving.core import Serving, cancel_on_disconnect
-from server.serving.tool_reader import ToolReader
+from server.serving.tool_reader import LeadingBlank, ToolReader
 from server.sessions.record import SessionKey, Turn, Usage
 
 KIND = "response"
@@ -47,7 +47,7 @@ class ResponseRun:
         record: dict[str, Any],
         parent: str | None,
         serving: Serving,
-        reader: ToolReader | None,
+        reader: ToolReader,
         stored: SessionKey | None,
         session: SessionKey | None,
         retention_s: float,
@@ -64,15 +64,10 @@ class ResponseRun:
     def _object(self, **state: Any) -> dict[str, Any]:
         return response_object(self.response_id, self.model, {**self.record, **state}, self.parent)
 
-    def _reply(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        if self.reader is None:
-            return text, []
+    async def _finished(self, event: Finished) -> dict[str, Any]:
+        """The reply its reader read (all of it, by now), recorded and as the final Response object."""
         message = self.reader.message()
-        return message["content"], message.get("tool_calls", [])
-
-    async def _finished(self, text: str, event: Finished) -> dict[str, Any]:
-        content, calls = self._reply(text)
-        done = result(event.finish_reason, content, event.usage, calls)
+        done = result(event.finish_reason, message["content"], event.usage, message.get("tool_calls", []))
         await self.off_loop(self._store_copy, done)
         self.is_finished = True
         return self._object(**done)
@@ -103,11 +98,8 @@ class ResponseRun:
                 if isinstance(event, TextDelta):
                     parts.append(event.text)
                 elif isinstance(event, Finished):
-                    text = "".join(parts)
-                    if self.reader is not None:
-                        self.reader.feed(text)
-                        self.reader.finish()
-                    return JSONResponse(await self._finished(text, event), headers=headers)
+                    self.reader.read_all("".join(parts))
+                    return JSONResponse(await self._finished(event), headers=headers)
                 elif isinstance(event, Failed):
                     return JSONResponse(failure(event), CODE_STATUS.get(event.code, 500), headers=headers)
         finally:
@@ -126,19 +118,19 @@ class ResponseRun:
         try:
             yield self._event("response.created", response=self._object())
             yield self._event("response.in_progress", response=self._object())
-            if self.reader is None:
+            if not self.reader.reads_calls:
                 for sse in stream.open_message():
                     yield sse
             async for event in events:
                 if isinstance(event, TextDelta) and event.text:
-                    text, calls = self.reader.feed(event.text) if self.reader is not None else (event.text, [])
+                    text, calls = self.reader.feed(event.text)
                     for sse in stream.text(text) + stream.calls(calls):
                         yield sse
                 elif isinstance(event, Finished):
-                    text, calls = self.reader.finish() if self.reader is not None else ("", [])
+                    text, calls = self.reader.finish()
                     for sse in stream.text(text, last=True) + stream.calls(calls) + stream.close():
                         yield sse
-                    final = await self._finished(stream.sent, event)
+                    final = await self._finished(event)
                     yield self._event(f"response.{final['status']}", response=final)
                 elif isinstance(event, Failed):
                     error = {"code": event.code, "message": event.message}
@@ -157,7 +149,7 @@ class _ItemStream:
         self.sent = ""  # the message's text so far
         self.is_open = self.is_closed = False
         self.num_calls = 0
-        self._blank = ""  # whitespace before any visible text: no message item for it yet
+        self._blank = LeadingBlank()  # no message item for whitespace before any visible text yet
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": message_id(self.run.response_id), "output_index": 0, "content_index": 0}
@@ -169,9 +161,8 @@ class _ItemStream:
         return [added, self.run._event("response.content_part.added", **self._where(), part=EMPTY_PART)]
 
     def text(self, text: str, last: bool = False) -> list[ServerSentEvent]:
-        text, self._blank = self._blank + text, ""
-        if not text or (not self.is_open and not text.strip() and not (last and not self.num_calls)):
-            self._blank = text
+        text = self._blank.take(text, self.is_open, last, self.num_calls)
+        if not text:
             return []
         out = [] if self.is_open else self.open_message()
         self.sent += text

@@ -32,8 +32,8 @@ from server.serving.core import Serving, answer_headers, session_key
 from server.serving.prompts import check_text_size, output_budget
 from server.serving.response_items import messages_of, resolve, stored_items
 from server.serving.response_run import KIND, ResponseRun, not_found, result
-from server.serving.tool_reader import ToolReader, read_reply
-from server.serving.tools import call_markers, model_tool_format, responses_tool_use
+from server.serving.tool_reader import Reading
+from server.serving.tools import responses_tool_use
 from server.sessions.record import CompletedTurn, Session, SessionKey
 from server.sessions.store import SessionStore
 
@@ -118,12 +118,12 @@ class Responses:
         messages = self._messages(req, parent, resolved)
         check_text_size(engine.loaded, [m["content"] for m in messages], "input")
         tools = responses_tool_use(req)
-        style = model_tool_format(engine.loaded.tokenizer, tools).style
-        base = await self._session_view(session, engine.model_id) if session is not None else parent
+        reading = Reading.of(engine.loaded.tokenizer, tools, response_id)
+        base = await serving.session_view(session, engine) if session is not None else parent
         prompt_ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, base, tools)
         fmt = req.text.format if req.text is not None else None
         schema = structured.schema_of(fmt.type, fmt.schema_) if fmt is not None else None
-        constraint = await structured.constraint(engine, schema, tools, style)
+        constraint = await structured.constraint(engine, schema, tools, reading.style)
         budget = output_budget(
             engine.loaded, len(prompt_ids), req.max_output_tokens, s.default_max_tokens, s.max_tokens_limit
         )
@@ -144,7 +144,7 @@ class Responses:
             runs_on = key or serving.session_for(bucket, len(prompt_ids) + budget, engine)
             kv_source = parent.key if parent is not None else None
         gen = serving.request(
-            request_id=response_id,
+            reading=reading,
             prompt_ids=prompt_ids,
             params=SamplingParams(max_tokens=budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed),
             tenant=tenant,
@@ -153,9 +153,6 @@ class Responses:
             use_cache=req.cache_prompt,
             messages=messages,
             constraint=constraint,
-            tools=tools.definitions() if tools is not None else None,
-            reply=lambda text: read_reply(text, tools, style, response_id),
-            shown_special_ids=call_markers(engine.loaded.tokenizer, tools),
         )
         started = time.monotonic()
         try:
@@ -164,20 +161,15 @@ class Responses:
             if key is not None and session is None:
                 self.store.delete(key)
             raise
-        reader = ToolReader.of(tools, style, response_id)
         parent_id, retention = req.previous_response_id, s.response_retention_s
-        run = ResponseRun(response_id, engine.model_id, record, parent_id, serving, reader, key, session, retention)
+        run = ResponseRun(
+            response_id, engine.model_id, record, parent_id, serving, reading.reader(), key, session, retention
+        )
         headers = answer_headers(admitted, session)
         events = serving.metrics.meter(handle, engine.model_id, started)
         if req.stream:
             return event_stream(run.events(handle, events), headers)
         return await run.collect(handle, events, http, headers)
-
-    async def _session_view(self, named: SessionKey | None, model_id: str) -> Session | None:
-        if named is None or named.is_bucket:
-            return None
-        view = await self.serving.off_loop(self.store.view, named)
-        return view if view is not None and view.model_id == model_id else None
 
     def get(self, response_id: str, tenant: str) -> dict[str, Any]:
         view = self.store.view(SessionKey(tenant, response_id, KIND))

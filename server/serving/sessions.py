@@ -21,6 +21,7 @@ from server.openai.schemas import SessionCreate
 from server.serving import continuation
 from server.serving.core import Serving
 from server.serving.prompts import check_text_size
+from server.serving.tool_reader import Reading
 from server.sessions.errors import SessionError
 from server.sessions.index import Reach
 from server.sessions.record import SessionInfo, SessionKey
@@ -80,7 +81,7 @@ class Sessions:
     async def _prefill(self, engine: Engine, key: SessionKey, ids: list[int], messages: list[dict[str, Any]]) -> None:
         """Compute the system prompt's K/V now: a request that generates nothing and sets the session's base."""
         gen = self.serving.request(
-            request_id=f"prefill-{uuid.uuid4().hex}",
+            reading=Reading(None, "", f"prefill-{uuid.uuid4().hex}"),
             prompt_ids=ids,
             params=SamplingParams(max_tokens=0),
             tenant=key.tenant,

@@ -12,7 +12,7 @@ from server.openai.formats import DetokenizeRequest, TokenizeRequest
 from server.openai.schemas import ChatCompletionRequest
 from server.serving import continuation
 from server.serving.core import Serving
-from server.serving.prompts import chat_messages, check_text_size
+from server.serving.prompts import chat_messages, check_text_size, checked_ids
 from server.serving.tools import tool_use
 
 
@@ -24,27 +24,31 @@ class Tokens:
         loaded = self.serving.engine(req.model).loaded
         if req.prompt is not None:
             check_text_size(loaded, [req.prompt], "prompt")
-            ids = await asyncio.to_thread(
-                lambda: loaded.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
-            )
-            tokens = list(ids["input_ids"])
+            prompt = req.prompt
+
+            def tokens_of() -> list[int]:
+                return list(loaded.tokenizer(prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
         else:
             chat = _as_chat(req)
             messages = chat_messages(chat)
             check_text_size(loaded, [m["content"] for m in messages], "messages")
-            text = await asyncio.to_thread(
-                continuation.render, loaded, messages, req.add_generation_prompt, tool_use(chat)
-            )
-            tokens = continuation.tokenize(loaded, text)
-        body: dict[str, Any] = {"count": len(tokens), "max_model_len": loaded.max_context, "tokens": tokens}
-        if req.return_token_strs:
-            body["token_strs"] = loaded.tokenizer.convert_ids_to_tokens(tokens)
-        return body
+
+            def tokens_of() -> list[int]:
+                text = continuation.render(loaded, messages, req.add_generation_prompt, tool_use(chat))
+                return continuation.tokenize(loaded, text)
+
+        def body() -> dict[str, Any]:  # rendering, tokenizing and naming the tokens: one hop off the event loop
+            tokens = tokens_of()
+            found: dict[str, Any] = {"count": len(tokens), "max_model_len": loaded.max_context, "tokens": tokens}
+            if req.return_token_strs:
+                found["token_strs"] = loaded.tokenizer.convert_ids_to_tokens(tokens)
+            return found
+
+        return await asyncio.to_thread(body)
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         loaded = self.serving.engine(req.model).loaded
-        if any(not 0 <= t < loaded.vocab_size for t in req.tokens):
-            raise ApiError(400, "invalid_parameter", f"token ids must be in [0, {loaded.vocab_size})", "tokens")
+        checked_ids(req.tokens, loaded.vocab_size, "tokens")
         return {"prompt": await asyncio.to_thread(loaded.tokenizer.decode, req.tokens)}
 
 

@@ -13,15 +13,18 @@ from server.serving.tools import (
     ToolUse,
     assistant_message,
     call_id,
+    call_markers,
     canonical_arguments,
+    model_tool_format,
 )
 
 
 @dataclass(slots=True)
 class ToolReader:
-    """Reads calls out of a reply as it streams; `feed` returns (content to send now, calls completed now)."""
+    """Reads calls out of a reply as it streams; `feed` returns (content to send now, calls completed now). A
+    request that reads no calls (no tools, or tool_choice none) gets all of its text as content, as it comes."""
 
-    tools: ToolUse
+    tools: ToolUse | None
     style: str
     request_id: str
     calls: list[dict[str, Any]] = field(default_factory=list)
@@ -31,7 +34,14 @@ class ToolReader:
     _in_calls: bool = False
     _json_reply: bool | None = None  # llama3_json: the reply starts as a JSON object (decided on its first text)
 
+    @property
+    def reads_calls(self) -> bool:
+        return self.tools is not None and self.tools.reads_calls
+
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if not self.reads_calls:
+            self.content += text
+            return text, []
         if self.style == "llama3_json" and self._json_reply is None:
             opening = (self._held + text).lstrip()
             if not opening or PYTHON_TAG.startswith(opening):
@@ -76,6 +86,7 @@ class ToolReader:
         return held, []
 
     def _add(self, obj: Any) -> list[dict[str, Any]]:
+        assert self.tools is not None  # only a reader that reads calls finds any
         names = {spec.name for spec in self.tools.specs}
         if not isinstance(obj, dict) or obj.get("name") not in names:
             return []
@@ -91,24 +102,56 @@ class ToolReader:
         self.calls.append(call)
         return [call]
 
-    @classmethod
-    def of(cls, tools: ToolUse | None, style: str, request_id: str) -> ToolReader | None:
-        """The reader of a request's reply, or None when the request reads no calls."""
-        return cls(tools, style, request_id) if tools is not None and tools.reads_calls else None
-
     def message(self) -> dict[str, Any]:
         """The reply as the session records it (content "" when only calls were made)."""
         return assistant_message(self.content, self.calls)
 
+    def read_all(self, text: str) -> dict[str, Any]:
+        """The whole reply at once: the assistant message, calls included (the same a stream gives)."""
+        self.feed(text)
+        self.finish()
+        return self.message()
+
 
 def read_reply(text: str, tools: ToolUse | None, style: str, request_id: str) -> dict[str, Any]:
-    """The whole reply at once: the assistant message, calls included (the same a stream gives)."""
-    if tools is None or not tools.reads_calls:
-        return assistant_message(text, [])
-    reader = ToolReader(tools, style, request_id)
-    reader.feed(text)
-    reader.finish()
-    return reader.message()
+    return ToolReader(tools, style, request_id).read_all(text)
+
+
+@dataclass(slots=True, frozen=True)
+class Reading:
+    """How one request's reply is read: its tools (None: none), the model's call syntax, the request id its call
+    ids derive from, and the call tags that are special tokens (kept in its text)."""
+
+    tools: ToolUse | None
+    style: str
+    request_id: str
+    markers: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, tokenizer: Any, tools: ToolUse | None, request_id: str) -> Reading:
+        return cls(tools, model_tool_format(tokenizer, tools).style, request_id, call_markers(tokenizer, tools))
+
+    def reader(self) -> ToolReader:
+        return ToolReader(self.tools, self.style, self.request_id)
+
+    def reply(self, text: str) -> dict[str, Any]:
+        return read_reply(text, self.tools, self.style, self.request_id)
+
+
+class LeadingBlank:
+    """Whitespace before a reply's first visible text is held back: if calls follow, it is no content (the
+    answer's rule, `content_beside_calls`); a reply that is only whitespace and makes no call keeps it."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def take(self, text: str, is_open: bool, last: bool, num_calls: int) -> str:
+        """What of the held whitespace and `text` to send now ("" while it is held)."""
+        text, self._held = self._held + text, ""
+        if text and (is_open or text.strip() or (last and not num_calls)):
+            return text
+        self._held = text
+        return ""
 
 
 def _partial_suffix(text: str, marker: str) -> int:

