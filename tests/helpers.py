@@ -21,6 +21,9 @@ from server.sessions.record import SessionKey, Usage
 from server.sessions.store import SessionStore
 
 T = TypeVar("T")
+# How long any wait of a test may last before it fails with its message. Never a claim about speed: what is
+# awaited takes milliseconds to seconds here, and CI may run ten times slower on a busy machine.
+DEADLINE_S = 120.0
 
 
 @dataclass
@@ -82,10 +85,10 @@ async def paused(engine: Engine) -> AsyncIterator[None]:
 
     def hold() -> None:
         entered.set()
-        gate.wait(30)
+        gate.wait(DEADLINE_S)
 
     answered = asyncio.ensure_future(engine.query(hold))
-    assert await asyncio.to_thread(entered.wait, 30), "the engine thread never paused"
+    assert await asyncio.to_thread(entered.wait, DEADLINE_S), "the engine thread never paused"
     try:
         yield
     finally:
@@ -115,7 +118,7 @@ def make_engine(
     return engine
 
 
-def wait_until(condition: Callable[[], object], timeout_s: float = 30, what: str = "the condition") -> None:
+def wait_until(condition: Callable[[], object], timeout_s: float = DEADLINE_S, what: str = "the condition") -> None:
     """Poll until `condition()` is true; fail with a message after `timeout_s` (never hang a test)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -123,7 +126,9 @@ def wait_until(condition: Callable[[], object], timeout_s: float = 30, what: str
         time.sleep(0.005)
 
 
-async def wait_until_async(condition: Callable[[], object], timeout_s: float = 30, what: str = "the condition") -> None:
+async def wait_until_async(
+    condition: Callable[[], object], timeout_s: float = DEADLINE_S, what: str = "the condition"
+) -> None:
     """The asyncio form of wait_until: yields to the loop between polls."""
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -4,8 +4,11 @@
 folder (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); `kvserve prepare` (run by
 `make install`) builds them ahead. The build is tuned for this CPU (-march=native), so the
 build's name carries a digest of the source, the torch version and the CPU's flags: another
-CPU builds its own. Where there is no compiler or the build fails, the engine logs why and
-runs the portable attention path instead (one SDPA call per sequence; equal up to rounding).
+CPU builds its own. It also digests where the source lies: torch's build files name the source
+by its absolute path, so two checkouts on one machine sharing a build would rebuild it in turn,
+and every start of either would wait for a compile. Where there is no compiler or the build
+fails, the engine logs why and runs the portable attention path instead (one SDPA call per
+sequence; equal up to rounding).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ _state: dict[str, bool | str] = {}
 
 
 def build_name() -> str:
-    """The build's name: a new source, torch or CPU builds anew (a -march=native build is not portable)."""
+    """The build's name: a new source, torch or CPU builds anew (a -march=native build is not portable), and
+    so does another checkout (its own build files)."""
     digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(str(SOURCE.resolve()).encode())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())
     digest.update(_cpu_flags().encode())

@@ -16,6 +16,7 @@ import threading
 from typing import Any, Protocol
 
 from server.sessions.errors import SessionBusy, SharedStoreUnavailable
+from server.sessions.health import SharedStoreHealth
 from server.sessions.record import SessionKey
 
 log = logging.getLogger("kvserve.leases")
@@ -88,7 +89,10 @@ class LocalLeases:
 
 
 class RedisLeases:
-    def __init__(self, url: str, lease_s: float, timeout_s: float = 1.0) -> None:
+    def __init__(
+        self, url: str, lease_s: float, timeout_s: float = 1.0, health: SharedStoreHealth | None = None
+    ) -> None:
+        """`health`: whether the shared store answers, as every user of it sees (a new one when not given)."""
         import redis  # only with a shared store configured
 
         self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
@@ -97,19 +101,20 @@ class RedisLeases:
         self._give_back, self._renew = self.client.register_script(GIVE_BACK), self.client.register_script(RENEW)
         self._held: dict[str, str] = {}  # redis key -> our token
         self._lock = threading.Lock()
-        self._up = True  # the last call's outcome; the renewer pings when it has nothing to renew
+        self.health = health or SharedStoreHealth()  # the renewer pings when it has nothing to renew
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_loop, name="kvserve-leases", daemon=True)
         self._renewer.start()
 
     def take(self, key: SessionKey) -> str | None:
         name, token = _name(key), secrets.token_hex(16)
+        ticket = self.health.ticket()
         try:
             taken = self.client.set(name, token, nx=True, px=self.lease_ms)
         except self._errors as exc:
-            self._up = False
+            self.health.report(ticket, False)
             raise SharedStoreUnavailable(f"the shared store did not answer ({type(exc).__name__})") from exc
-        self._up = True
+        self.health.report(ticket, True)
         if not taken:
             return None
         with self._lock:
@@ -132,26 +137,29 @@ class RedisLeases:
 
     @property
     def is_up(self) -> bool | None:
-        return self._up
+        return self.health.is_up
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.lease_ms / 3000):
-            with self._lock:
-                held = list(self._held.items())
-            try:
-                for name, token in held:
-                    if not self._renew(keys=[name], args=[token, self.lease_ms]):
-                        log.warning("lease %s was lost (expired before it was renewed)", name)
-                if not held:
-                    self.client.ping()
-            except self._errors:
-                if self._up:
-                    log.warning("the shared store does not answer: session turns are refused until it does")
-                self._up = False
-            else:
-                if not self._up:
-                    log.info("the shared store answers again")
-                self._up = True
+            self.renew_once()
+
+    def renew_once(self) -> None:
+        """Extend every lease held (or ping, holding none), and record whether the store answered."""
+        with self._lock:
+            held = list(self._held.items())
+        ticket = self.health.ticket()
+        try:
+            for name, token in held:
+                if not self._renew(keys=[name], args=[token, self.lease_ms]):
+                    log.warning("lease %s was lost (expired before it was renewed)", name)
+            if not held:
+                self.client.ping()
+        except self._errors:
+            if self.health.report(ticket, False):
+                log.warning("the shared store does not answer: session turns are refused until it does")
+        else:
+            if self.health.report(ticket, True) is False:
+                log.info("the shared store answers again")
 
 
 def _name(key: SessionKey) -> str:

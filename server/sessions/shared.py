@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from server.sessions.errors import SessionBusy, SharedStoreUnavailable
+from server.sessions.health import SharedStoreHealth
 from server.sessions.record import SessionKey
 
 log = logging.getLogger("kvserve.sessions")
@@ -34,9 +35,11 @@ return 'ok'
 
 
 class SharedRecords:
-    def __init__(self, url: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 1.0, health: SharedStoreHealth | None = None) -> None:
+        """`health`: whether the shared store answers, as every user of it sees (a new one when not given)."""
         import redis  # only with a shared store configured
 
+        self.health = health or SharedStoreHealth()
         self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
         self.client: Any = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._save = self.client.register_script(SAVE)
@@ -67,8 +70,9 @@ class SharedRecords:
     def touch(self, key: SessionKey, ttl_s: float) -> None:
         """A use without a change: the record lives another TTL. Best effort."""
         try:
-            self.client.pexpire(_record(key), _ms(ttl_s))
-        except self._errors:
+            with self._answering():
+                self.client.pexpire(_record(key), _ms(ttl_s))
+        except SharedStoreUnavailable:
             log.warning("the shared record of %s was not renewed: the shared store did not answer", key.name)
 
     def delete(self, key: SessionKey, ttl_s: float) -> None:
@@ -83,11 +87,14 @@ class SharedRecords:
 
     @contextlib.contextmanager
     def _answering(self) -> Iterator[None]:
-        """The client's connection errors, as SharedStoreUnavailable."""
+        """The client's connection errors, as SharedStoreUnavailable; the outcome told to `health`."""
+        ticket = self.health.ticket()
         try:
             yield
         except self._errors as exc:
+            self.health.report(ticket, False)
             raise SharedStoreUnavailable(f"the shared store did not answer ({type(exc).__name__})") from exc
+        self.health.report(ticket, True)
 
 
 def _ms(seconds: float) -> int:

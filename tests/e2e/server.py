@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import DEADLINE_S
+
 SPAWNED: list[subprocess.Popen] = []
 
 
@@ -54,7 +56,7 @@ class Server:
             [sys.executable, "-m", "server", *args], stdout=self.log, stderr=self.log, env=env, preexec_fn=limits
         )
         SPAWNED.append(self.proc)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + DEADLINE_S
         while True:
             assert self.proc.poll() is None, log_path.read_text()[-3000:]
             try:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import contextlib
 import resource
 import socket
-import time
 
 import httpx
 import pytest
 
 from tests.e2e.server import Server, _kill_leftovers  # noqa: F401 - the fixture is autouse
-from tests.helpers import wait_until
+from tests.helpers import DEADLINE_S, wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -47,10 +46,10 @@ def test_more_slow_sockets_than_descriptors_never_freeze_the_server(model_dir, t
     try:
         for _ in range(400):  # more than the server could ever hold open (256 descriptors)
             sockets.append(slow_socket(server.port))
-        started = time.monotonic()
-        r = httpx.get(server.base + "/health", timeout=10)
+        # Answered long before the header deadline (600 s) of the connections it waits behind: the oldest
+        # waiting connections made room (the client's timeout is the bound, and it is far below that deadline).
+        r = httpx.get(server.base + "/health", timeout=DEADLINE_S)
         assert r.status_code == 200
-        assert time.monotonic() - started < 5  # the oldest waiting connections made room
         body = {"model": "model", "prompt": "Hello", "max_tokens": 2}
         assert httpx.post(server.base + "/v1/completions", json=body, timeout=30).status_code == 200
         assert is_closed_by_peer(sockets[0], 10)  # the oldest slow socket was closed to make room

@@ -18,7 +18,7 @@ import pytest
 
 from tests.e2e.cluster import CHAT, LEASE_S, Redis, replica
 from tests.e2e.server import _kill_leftovers  # noqa: F401 - the fixture is autouse
-from tests.helpers import wait_until
+from tests.helpers import DEADLINE_S, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -45,14 +45,14 @@ def stream_in_thread(base: str, sid: str, out: list[str]) -> threading.Thread:
     return thread
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)  # two servers, a 4,000-token turn; every wait below has its own deadline
 def test_a_session_runs_on_one_replica_at_a_time(model_dir, tmp_path):
     store = Redis(tmp_path)
     a, b = replica(model_dir, tmp_path, "a", store.url), replica(model_dir, tmp_path, "b", store.url)
 
     lines: list[str] = []
     reader = stream_in_thread(a.base, "conv-1", lines)
-    wait_until(lambda: lines, 60, "the long turn to start streaming on a")
+    wait_until(lambda: lines, what="the long turn to start streaming on a")
     time.sleep(3 * LEASE_S)  # the lease would have expired by now had it not been renewed
     busy = turn(b.base, "conv-1")
     assert reader.is_alive(), "the turn ended before the check: it cannot show the lease renewed"
@@ -60,7 +60,7 @@ def test_a_session_runs_on_one_replica_at_a_time(model_dir, tmp_path):
     assert busy.json()["error"]["code"] == "session_busy"
     assert busy.headers["x-kvserve-replica"] == "b"
     assert store.client.exists("kvserve:lease:default:session:conv-1")
-    reader.join(240)
+    reader.join(DEADLINE_S)
     assert [line for line in lines if line][-1] == "data: [DONE]"
     assert not store.client.exists("kvserve:lease:default:session:conv-1")  # given back at the end
     assert turn(b.base, "conv-1").status_code == 200  # now b may run it
@@ -68,10 +68,10 @@ def test_a_session_runs_on_one_replica_at_a_time(model_dir, tmp_path):
     # A replica killed in the middle of a turn: its lease expires, and the session is free again.
     lines = []
     reader = stream_in_thread(a.base, "conv-2", lines)
-    wait_until(lambda: lines, 60, "the turn on a to start")
+    wait_until(lambda: lines, what="the turn on a to start")
     a.proc.send_signal(signal.SIGKILL)
     a.proc.wait(30)
-    wait_until(lambda: turn(b.base, "conv-2").status_code == 200, 30, "the dead replica's lease to expire")
+    wait_until(lambda: turn(b.base, "conv-2").status_code == 200, what="the dead replica's lease to expire")
 
     # Redis stopped: turns on sessions are refused with a clear 503, the rest is served; then it comes back.
     store.stop()
@@ -85,6 +85,6 @@ def test_a_session_runs_on_one_replica_at_a_time(model_dir, tmp_path):
     assert ready.json()["shared_store"] == "down"
     assert "kvserve:shared_store_up 0.0" in httpx.get(b.base + "/metrics").text
     store = Redis(tmp_path, store.port)
-    wait_until(lambda: httpx.get(b.base + "/ready").json()["shared_store"] == "up", 30, "the store to be seen up")
+    wait_until(lambda: httpx.get(b.base + "/ready").json()["shared_store"] == "up", what="the store to be seen up")
     assert "kvserve:shared_store_up 1.0" in httpx.get(b.base + "/metrics").text
     assert turn(b.base, "conv-3").status_code == 200

@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import socket
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -11,11 +12,14 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from server.app import create_app
+from server.models.loader import read_specs
 from server.settings import Settings
-from tests.helpers import wait_until
+from tests.helpers import DEADLINE_S, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def wait_ready(client: TestClient, timeout_s: float = 60) -> None:
+def wait_ready(client: TestClient, timeout_s: float = DEADLINE_S) -> None:
     wait_until(lambda: client.get("/ready").status_code == 200, timeout_s, "the app to be ready")
 
 
@@ -52,7 +56,7 @@ def serve_live(specs, settings: Settings):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    wait_until(lambda: is_ready(base), 60, "the server to be ready")
+    wait_until(lambda: is_ready(base), DEADLINE_S, "the server to be ready")
     try:
         yield base, app.state.host.engines[specs[0].id]
     finally:
@@ -64,3 +68,12 @@ def serve_live(specs, settings: Settings):
 def live(tiny_spec):
     with serve_live([tiny_spec], Settings()) as served:
         yield served
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The default model (SmolLM2-135M-Instruct, converted once under models/cache by `make install`) on a live
+    server, shared by the tests that need what a real model does: (base URL, model id)."""
+    specs = read_specs(ROOT / "models" / "models.toml")
+    with serve_live(specs, Settings(cache_dir=ROOT / "models" / "cache")) as (base, _engine):
+        yield base, specs[0].id

@@ -122,6 +122,18 @@ def test_the_build_is_named_by_source_torch_and_cpu(monkeypatch, tmp_path):
     assert kernels.build_name() != name
 
 
+def test_two_checkouts_of_the_same_source_build_apart(monkeypatch, tmp_path):
+    name = kernels.build_name()
+    elsewhere = tmp_path / "checkout" / "server" / "kv" / "csrc" / "paged_decode.cpp"
+    elsewhere.parent.mkdir(parents=True)
+    elsewhere.write_bytes(kernels.SOURCE.read_bytes())  # the same bytes in another checkout
+    monkeypatch.setattr(kernels, "SOURCE", elsewhere)
+    other = kernels.build_name()
+    assert other != name  # its own build directory: neither rebuilds the other's
+    monkeypatch.setattr(kernels, "SOURCE", elsewhere.parents[1] / ".." / "kv" / "csrc" / elsewhere.name)
+    assert kernels.build_name() == other  # the same checkout, however its path is spelled
+
+
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_a_start():
     from torch.utils import cpp_extension
 
