@@ -1,8 +1,9 @@
 """The engine of one model: its thread, and what the event loop may ask of it.
 
 The thread runs an EngineLoop (server/engine/loop.py), which owns the model, its K/V pool and
-the block bookkeeping. The event loop talks to the engine only through `submit`, `query` and the
-published `stats`: it never takes a lock of the pool's or reads the scheduler's state.
+the block bookkeeping. The event loop talks to the engine only through `submit`, `query`, the
+published `stats` and `residency` (the block books read while at rest, `BlockManager.read`): it never
+takes a lock of the pool's or reads the scheduler's state.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from server.engine.loop import EngineLoop, EngineStats
 from server.engine.model_runner import ForwardCounter, ModelRunner
 from server.engine.request import EngineBusy, EngineStopped, GenerationRequest, QueueFull, TooLarge
 from server.engine.scheduler import Scheduler
-from server.kv.blocks import BlockManager, Residency
+from server.kv.blocks import BlockManager, BooksBusy, Residency
 from server.kv.offload import Offloader
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel
@@ -144,14 +145,27 @@ class Engine:
 
     async def residency(self, items: list[tuple[SessionKey, list[int], Reach | None]]) -> list[Residency]:
         """For each (session, transcript, how much of it another transcript shares): its K/V in the pool, in
-        tokens and in blocks only it reaches or shared (`BlockManager.residency`). Asked on the engine thread;
-        transcripts with no tokens hold nothing and are not asked about.
+        tokens and in blocks only it reaches or shared (`BlockManager.residency`); transcripts with no tokens
+        hold nothing and are not asked about.
+
+        Read on a worker thread while the books are at rest, never waiting for the step in progress (a
+        prefill can hold the engine thread for seconds): each session's answer is of one moment at rest,
+        a page's answers of moments a few steps apart at most.
         """
         asked = [i for i, (_, transcript, _) in enumerate(items) if transcript]
         found = [Residency(0, 0, 0)] * len(items)
         if asked:
-            blocks = self.blocks
-            answers = await self.query(lambda: [blocks.residency(items[i][0].tenant, *items[i][1:]) for i in asked])
+            blocks, deadline_s = self.blocks, self.query_timeout_s
+
+            def read(index: int) -> Residency:
+                key, transcript, reach = items[index]
+                return blocks.read(lambda: blocks.residency(key.tenant, transcript, reach), deadline_s)
+
+            try:
+                answers = await asyncio.to_thread(lambda: [read(i) for i in asked])
+            except BooksBusy:
+                message = f"the engine of model {self.model_id!r} kept its books busy for {deadline_s:g} s"
+                raise EngineBusy(message) from None
             for index, answer in zip(asked, answers, strict=True):
                 found[index] = answer
         return found

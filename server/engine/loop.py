@@ -51,6 +51,7 @@ class EngineStats:
 class StepRecord:
     decode: list[str]  # request ids that fed one decode token
     prefill: list[tuple[str, int]]  # (request id, chunk length)
+    admitted: tuple[str, ...] = ()  # request ids admitted in this step (a load is admitted again once read)
 
 
 class EngineLoop:
@@ -78,23 +79,25 @@ class EngineLoop:
         """The engine thread's body, until the inbox closes; then everything still here is answered."""
         torch.set_grad_enabled(False)
         while not self._inbox.is_closed:
-            try:
-                self._take()
-                self._step()
-            except Exception:  # a bug in scheduling or bookkeeping: fail what runs, keep the engine alive
-                log.exception("engine step failed")
-                for seq in list(self.scheduler.running):
-                    self._finish(seq, Failed("internal_error", "the engine failed this step"), is_complete=False)
+            items = self._inbox.take(block=not (self.scheduler.running or self.scheduler.waiting))  # books at rest
+            with self.blocks.changing():  # others read the books only at rest: while waiting, or in a forward pass
+                try:
+                    self._take(items)
+                    self._step()
+                except Exception:  # a bug in scheduling or bookkeeping: fail what runs, keep the engine alive
+                    log.exception("engine step failed")
+                    for seq in list(self.scheduler.running):
+                        self._finish(seq, Failed("internal_error", "the engine failed this step"), is_complete=False)
+                self._publish_stats()
+        with self.blocks.changing():
+            for seq in self.scheduler.sequences():
+                self._finish(seq, SHUTTING_DOWN, is_complete=False)
+            for item in self._inbox.take(block=False):
+                self._reject(item)
             self._publish_stats()
-        for seq in self.scheduler.sequences():
-            self._finish(seq, SHUTTING_DOWN, is_complete=False)
-        for item in self._inbox.take(block=False):
-            self._reject(item)
-        self._publish_stats()
         self._loader.shutdown(wait=False, cancel_futures=True)
 
-    def _take(self) -> None:
-        items = self._inbox.take(block=not (self.scheduler.running or self.scheduler.waiting))
+    def _take(self, items: list[Submission | Query]) -> None:
         if not items and self.scheduler.is_idle:
             self.store.expire()  # the idle tick
         for item in items:
@@ -119,18 +122,23 @@ class EngineLoop:
     def _step(self) -> None:
         self.offloader.discard_forgotten()
         self._drop_ended()
-        for admission in self.scheduler.admit():
+        admissions = self.scheduler.admit()
+        for admission in admissions:
             self._start(admission)
         self._start_loads()
         rows = self.scheduler.schedule()
+        admitted = tuple(a.seq.request.request_id for a in admissions)
         if not rows:
+            if admitted:  # only loads started: the step still tells who was admitted in it
+                self.step_log.append(StepRecord([], [], admitted))
             return
         decode = [r.seq.request.request_id for r in rows if r.seq.is_prefilled]
         prefill = [(r.seq.request.request_id, len(r.token_ids)) for r in rows if not r.seq.is_prefilled]
-        self.step_log.append(StepRecord(decode, prefill))
+        self.step_log.append(StepRecord(decode, prefill, admitted))
         self.max_batch_seen = max(self.max_batch_seen, len(rows))
         try:
-            logits = self.runner.run(rows)  # [R, V]
+            with self.blocks.resting():  # a forward pass reads the books, never changes them
+                logits = self.runner.run(rows)  # [R, V]
         except Exception as exc:
             self._fail_step(rows, exc)
             return

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from server.engine.config import EngineConfig
 from server.engine.sequence import Sequence, SequenceStatus
-from server.kv.blocks import Block, BlockManager
+from server.kv.blocks import Block, BlockManager, Match
 from server.kv.offload import Offloader
 from server.kv.snapshot import Snapshot
 from server.sessions.record import SessionKey, common_prefix_len
@@ -90,9 +90,11 @@ class Scheduler:
         self.waiting.extendleft(reversed(loaded))  # back at the head, in their order of arrival
         admitted = []
         for seq in list(self.waiting):
-            if self._awaits_leader(seq):
+            # What the pool holds of the prompt, all but its last token (computed anyway, for its logits)
+            match = self.manager.match(seq.salt, seq.request.prompt_ids, seq.num_prompt - 1) if seq.use_cache else None
+            if self._awaits_leader(seq, match):
                 continue  # stays in the queue; those behind it may go
-            admission = self._plan(seq)
+            admission = self._plan(seq, match)
             if admission is None:
                 break
             self.waiting.remove(seq)
@@ -105,28 +107,35 @@ class Scheduler:
             admitted.append(admission)
         return admitted
 
-    def _awaits_leader(self, seq: Sequence) -> bool:
+    def _awaits_leader(self, seq: Sequence, match: Match | None) -> bool:
         """Whether a running prefill of the same tenant is computing blocks of this prompt's prefix right now.
 
         Conversations that open with the same new system prompt at once would each compute it; the first
         computes it, the others wait until its blocks are published and then share them, computing only
         their own rest. The wait ends when the leader's blocks are in the pool, or when it leaves.
+
+        Only blocks still to come are worth a wait. Those the pool holds (`match`: cached, or published by the
+        leader) are shared at once, including what a leader admitted a moment ago in this same call found cached:
+        its `num_computed` is still 0, so comparing with it alone admitted prompts behind one cached system prompt
+        one per step. A leader admitted here with a snapshot to restore holds its followers back one step: its
+        blocks are published before the next admission and shared then, not computed twice.
         """
-        if not seq.use_cache:
+        if match is None:
             return False
         bs, prompt = self.config.block_size, seq.request.prompt_ids
+        num_in_pool = len(match.shared)  # full blocks of this prompt the pool can give now
         for leader in self.running:
             if leader.is_prefilled or not leader.use_cache or leader.salt != seq.salt:
                 continue
             shared = min(common_prefix_len(leader.request.prompt_ids, prompt), len(prompt) - 1) // bs
-            if shared * bs > leader.num_computed and shared >= MIN_SHARED_BLOCKS:
+            if shared >= MIN_SHARED_BLOCKS and shared > max(num_in_pool, leader.num_computed // bs):
                 return True
         return False
 
-    def _plan(self, seq: Sequence) -> Admission | None:
-        """The sequence's admission, or None when its blocks cannot be reserved yet."""
-        prompt, bs = seq.request.prompt_ids, self.config.block_size
-        match = self.manager.match(seq.salt, prompt, len(prompt) - 1) if seq.use_cache else None
+    def _plan(self, seq: Sequence, match: Match | None) -> Admission | None:
+        """The sequence's admission (`match`: what the pool holds of its prompt), or None when its blocks cannot be
+        reserved yet."""
+        bs = self.config.block_size
         num_in_pool = match.num_tokens if match else 0
         source = seq.request.kv_source
         if source is not None and seq.use_cache and not seq.has_looked_down and self._holds_more(source, num_in_pool):

@@ -7,14 +7,20 @@ contents as cache and are evicted least-recently-used when a free block is neede
 Partially filled blocks are cached too (under their parent hash) so a follow-up turn can
 copy the matching part instead of recomputing it; a match that diverges inside a block
 copies that block. Reservations make admission safe: a running sequence never runs out.
-Only the engine thread that owns the pool touches its BlockManager, so it takes no lock.
+Only the engine thread that owns the pool changes its BlockManager, so it takes no lock. Other
+threads may read it while it is at rest (`read`): a sequence lock, not a mutex, so a reader never
+waits for a forward pass and the engine thread never waits for a reader.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from server.sessions.index import Reach
 from server.sessions.record import common_prefix_len
@@ -55,6 +61,13 @@ def chain_hash(parent: int, token_ids: list[int] | tuple[int, ...]) -> int:
     return hash((parent, tuple(token_ids)))
 
 
+T = TypeVar("T")
+
+
+class BooksBusy(Exception):
+    """The books did not come to rest for long enough to read them within the deadline."""
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
@@ -67,6 +80,53 @@ class BlockManager:
         self._lru: OrderedDict[int, Block] = OrderedDict()  # unreferenced blocks with contents
         self.num_reserved = 0
         self.num_evictions = 0
+        # Even while the books are at rest (the engine thread waits for work, or runs a forward pass, which only
+        # reads them), odd while the engine thread may be changing them: see `read`.
+        self.epoch = 0
+
+    # -- reading from another thread ------------------------------------------------
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """The engine thread may change the books inside: readers elsewhere wait for it to end (or rest)."""
+        assert self.epoch % 2 == 0, "the books are already being changed"
+        self.epoch += 1
+        try:
+            yield
+        finally:
+            self.epoch += 1
+
+    @contextlib.contextmanager
+    def resting(self) -> Iterator[None]:
+        """Inside `changing`: the engine thread leaves the books alone meanwhile (a forward pass)."""
+        assert self.epoch % 2 == 1, "resting is a pause inside changing"
+        self.epoch += 1
+        try:
+            yield
+        finally:
+            self.epoch += 1
+
+    def read(self, fn: Callable[[], T], deadline_s: float, pause_s: float = 0.0005) -> T:
+        """`fn()`, which only reads the books, run on the caller's thread as of a moment they were at rest.
+
+        A sequence lock: the answer counts when the epoch was even before `fn` and unchanged after it, so no
+        change began or ended meanwhile (the GIL makes each attribute read and each increment whole). Otherwise,
+        or when `fn` tripped over a change in progress, it reads again. Raises BooksBusy past the deadline.
+        """
+        deadline = time.monotonic() + deadline_s
+        while True:
+            epoch = self.epoch
+            if epoch % 2 == 0:
+                try:
+                    answer = fn()
+                except Exception:
+                    if self.epoch == epoch:
+                        raise  # the books did not move: a real error, not a torn read
+                else:
+                    if self.epoch == epoch:
+                        return answer
+            if time.monotonic() > deadline:
+                raise BooksBusy(f"the books were not at rest for {deadline_s:g} s")
+            time.sleep(pause_s)
 
     # -- counters ---------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ from server.engine.model_runner import ModelRunner
 from server.engine.request import Failed, QueueFull
 from server.models.loader import load_model
 from server.sessions.record import SessionKey, common_prefix_len
+from tests.engine.test_shared_prefill import admission_steps
 from tests.helpers import collect, make_engine, paused, reference_greedy, request, run, settled, wait_until_async
 
 BLOCK = 4
@@ -118,10 +119,13 @@ async def test_shared_prefix_blocks_are_counted_once(engine, tiny32):
     await run(engine, prefix + ids(tiny32, " warm"), session="warm", max_tokens=1)  # computes the prefix once
     n = 4
     prompts = [prefix + ids(tiny32, f" own {i}") for i in range(n)]
-    tasks = [
-        asyncio.create_task(run(engine, p, session=f"s{i}", rid=f"s{i}", max_tokens=60, ignore_eos=True))
-        for i, p in enumerate(prompts)
-    ]
+    since = len(engine.loop.step_log)
+    async with paused(engine):  # taken in one step
+        tasks = [
+            asyncio.create_task(run(engine, p, session=f"s{i}", rid=f"s{i}", max_tokens=60, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
+        await asyncio.sleep(0)  # every task submits, in this order
     deadline = asyncio.get_running_loop().time() + 30
     while True:
         seqs, refs, num_used = await pool_view(engine)
@@ -138,6 +142,8 @@ async def test_shared_prefix_blocks_are_counted_once(engine, tiny32):
     assert len(shared) == common // BLOCK
     assert num_used == len(shared) + own
     assert all(num_cached >= len(prefix) for _, num_cached, _ in seqs)
+    steps = admission_steps(engine, since)  # s0 computes the shared block; the others wait for it, then go together
+    assert steps["s1"] == steps["s2"] == steps["s3"] > steps["s0"], steps
     results = await asyncio.gather(*tasks)
     assert all(r.usage.cached_tokens >= len(prefix) for r in results)
     for name in ["warm"] + [f"s{i}" for i in range(n)]:
@@ -177,30 +183,59 @@ async def test_admission_waits_for_blocks_and_bounds_the_queue(tiny32):
     eng.stop()
 
 
+async def reserving_33_blocks(eng, tiny32) -> asyncio.Task:
+    """Request R, running (and holding a reservation of 33 blocks) by the time this returns."""
+    other = ids(tiny32, "Numbers 0123")
+    running = asyncio.create_task(run(eng, other, rid="R", max_tokens=33 * BLOCK - len(other), ignore_eos=True))
+    await wait_until_async(lambda: eng.stats.num_running == 1, what="R to run")
+    return running
+
+
+async def queues(eng) -> tuple[list[str], list[str]]:
+    """The request ids running and waiting, between two steps."""
+    return await eng.query(
+        lambda: (
+            [s.request.request_id for s in eng.scheduler.running],
+            [s.request.request_id for s in eng.scheduler.waiting],
+        )
+    )
+
+
 async def test_idle_cached_blocks_a_request_reuses_are_not_counted_as_free(tiny32):
     """Idle cached blocks a request shares are pinned by it: they cannot also be evicted to make its room."""
     eng = batching_engine(tiny32, budget_bytes=40 * BLOCK * 512)  # 40 blocks
     prefix = ids(tiny32, "The quick brown fox jumps over the lazy dog.")[: 4 * BLOCK]
     await run(eng, prefix, max_tokens=1)  # leaves 4 idle cached blocks
     assert await eng.query(lambda: eng.blocks.num_cached_idle) == 4
-    other = ids(tiny32, "Numbers 0123")
-    running = asyncio.create_task(
-        run(eng, other, rid="R", max_tokens=33 * BLOCK - len(other), ignore_eos=True)  # reserves 33 blocks
-    )
-    await wait_until_async(lambda: eng.stats.num_running == 1, what="R to run")
+    running = await reserving_33_blocks(eng, tiny32)
     async with paused(eng):
         # P shares the 4 cached blocks and needs 6 more (10 in all); 3 are free beyond R's reservation. Counting
         # its own pinned blocks as evictable (3 + 4 >= 6) would admit it, and the pool would run dry mid-stream.
         shared = asyncio.create_task(run(eng, [*prefix, 5], rid="P", max_tokens=10 * BLOCK - len(prefix) - 1))
         await asyncio.sleep(0)  # P is submitted
     await eng.query(lambda: None)  # P is in the scheduler; the next answer comes after a step tried to admit it
-    queues = await eng.query(
-        lambda: (
-            [s.request.request_id for s in eng.scheduler.running],
-            [s.request.request_id for s in eng.scheduler.waiting],
-        )
-    )
-    assert queues == (["R"], ["P"])
+    assert await queues(eng) == (["R"], ["P"])
+    eng.stop()
+    assert (await running).error.code == (await shared).error.code == "shutting_down"
+
+
+async def test_a_partially_matching_block_is_reserved_not_counted_as_reused(tiny32):
+    """A prompt that matches part of a cached block copies those slots into a new block of its own: that block is
+    part of its reservation, like every block it does not share whole."""
+    eng = batching_engine(tiny32, budget_bytes=40 * BLOCK * 512)  # 40 blocks
+    history = ids(tiny32, "The quick brown fox jumps over the lazy dog.")[: 4 * BLOCK + 2]
+    await run(eng, history, max_tokens=1)  # leaves 5 idle cached blocks: 4 full, the last holding 2 tokens
+    assert await eng.query(lambda: eng.blocks.num_cached_idle) == 5
+    running = await reserving_33_blocks(eng, tiny32)
+    async with paused(eng):
+        # P shares the 4 full blocks and copies 1 slot of the fifth: 7 blocks in all, 3 of them new. Beyond R's
+        # reservation and the 5 cached blocks P pins, 2 are left: P must wait. Counting the partially matching
+        # block as reused (7 - 5 = 2) would admit it, and the pool would run dry mid-stream.
+        prompt = [*history[: 4 * BLOCK + 1], 5]
+        shared = asyncio.create_task(run(eng, prompt, rid="P", max_tokens=7 * BLOCK - len(prompt)))
+        await asyncio.sleep(0)  # P is submitted
+    await eng.query(lambda: None)  # P is in the scheduler; the next answer comes after a step tried to admit it
+    assert await queues(eng) == (["R"], ["P"])
     eng.stop()
     assert (await running).error.code == (await shared).error.code == "shutting_down"
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.settings import Settings
+from tests.helpers import DEADLINE_S, ask
 from tests.http.conftest import wait_ready
 
 CHAT = "/v1/chat/completions"
@@ -115,7 +117,8 @@ def test_request_timeout_is_504(tiny_spec):
         wait_ready(c)
         body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "session_id": "slow"}
         assert_error(c.post("/v1/completions", json=body), 504, "request_timeout")
-        assert c.get("/v1/sessions/slow").json()["turns"] == 0  # the session keeps only complete turns
+        # The session keeps only complete turns: made by this first request, it goes with it
+        assert_error(c.get("/v1/sessions/slow"), 404, "session_not_found")
 
 
 def test_failed_model_makes_ready_say_why_and_generation_503(tiny_spec, tmp_path):
@@ -151,9 +154,24 @@ def test_ready_is_503_while_a_model_loads(tiny_spec, monkeypatch):
         wait_ready(c)
 
 
-def test_an_engine_that_does_not_answer_is_503_not_a_hang(client, engine, monkeypatch):
+def test_an_engine_whose_books_never_come_to_rest_is_503_not_a_hang(client, engine, monkeypatch):
     chat = {"model": "tiny", "messages": MSG, "max_tokens": 2, "session_id": "asked"}
     assert client.post(CHAT, json=chat).status_code == 200
-    monkeypatch.setattr(engine, "query_timeout_s", 0.0)  # no engine thread answers in no time
-    r = client.get("/v1/sessions/asked")
-    assert_error(r, 503, "not_ready")
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:  # the engine thread, held in the middle of its bookkeeping
+        entered.set()
+        assert gate.wait(DEADLINE_S), "the held engine thread was never released"
+
+    holder = threading.Thread(target=ask, args=(engine, hold))
+    holder.start()
+    try:
+        assert entered.wait(DEADLINE_S), "the engine thread never ran the hold"
+        monkeypatch.setattr(engine, "query_timeout_s", 0.0)  # no wait at all for the books to rest
+        r = client.get("/v1/sessions/asked")
+        assert_error(r, 503, "not_ready")
+    finally:
+        gate.set()
+        holder.join(DEADLINE_S)
+    monkeypatch.setattr(engine, "query_timeout_s", DEADLINE_S)
+    assert client.get("/v1/sessions/asked").status_code == 200  # at rest again: answered

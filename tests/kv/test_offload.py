@@ -17,11 +17,12 @@ import torch
 from server.kv import offload
 from server.kv.blocks import BlockManager
 from server.kv.offload import Offloader
+from server.kv.snapshot import Snapshot
 from server.kv.tiers import TierStore
 from server.sessions.journal import Journal
 from server.sessions.record import CompletedTurn, SessionKey, Usage
 from server.sessions.store import SessionStore
-from tests.helpers import make_engine, reference_greedy, run
+from tests.helpers import make_engine, paused, reference_greedy, run
 from tests.kv.test_blocks import fill
 
 BLOCK = 4
@@ -74,6 +75,9 @@ async def test_evicted_session_is_restored_from_a_lower_tier_exactly(tiny, tmp_p
         assert second.usage.cached_tokens == len(transcript) - 1
         assert engine.counter.num_prefill_tokens - before == len(turn2) - (len(transcript) - 1)
         assert second.token_ids == reference_greedy(tiny.model, turn2, 5)
+        # The restored blocks were published each under its predecessor's hash, like computed ones: the pool now
+        # gives the whole prompt to whoever asks next.
+        assert await cached_in_pool(engine, turn2) == len(turn2)
     finally:
         engine.stop()
         tiers.close()
@@ -95,7 +99,7 @@ async def test_shutdown_saves_every_session_in_the_pool(tiny, tmp_path):
     tiers.close()
 
 
-async def test_a_snapshot_is_used_only_when_it_holds_more_than_the_pool(tiny, tmp_path):
+async def test_a_snapshot_is_read_only_when_it_holds_more_than_the_pool(tiny, tmp_path, monkeypatch):
     engine = engine_with_tiers(tiny, tmp_path, host_budget=1 << 30)
     tiers = engine.offloader.tiers
     try:
@@ -104,14 +108,24 @@ async def test_a_snapshot_is_used_only_when_it_holds_more_than_the_pool(tiny, tm
         transcript = prompt + first.token_ids
         snapshot = await engine.query(lambda: engine.offloader.gather(SessionKey("default", "a"), transcript))
         tiers.put(snapshot)  # a copy down a tier, while the pool still holds everything
-        second = await run(engine, transcript + words(tiny, " Hello"), session="a", max_tokens=2)
-        assert second.admitted.source == "device"  # the pool already had it all: nothing was read
+        turn2 = transcript + words(tiny, " Hello")
+        assert await engine.query(lambda: engine.blocks.match("default", turn2, len(turn2) - 1).num_tokens) == (
+            snapshot.num_tokens
+        )  # the copy holds exactly what the pool does
+        reads: list[SessionKey] = []
+        fetch = engine.offloader.fetch
+        monkeypatch.setattr(engine.offloader, "fetch", lambda key, ids: reads.append(key) or fetch(key, ids))
+        second = await run(engine, turn2, session="a", max_tokens=2)
+        assert second.admitted.source == "device"
+        assert second.admitted.num_cached == snapshot.num_tokens
+        assert reads == []  # the pool already had it all: the copy was not even read
     finally:
         engine.stop()
         tiers.close()
 
 
-async def test_a_failed_restore_falls_back_to_computing(tiny, tmp_path, monkeypatch):
+async def a_turns_snapshot(tiny, tmp_path) -> tuple[list[int], list[int], Snapshot]:
+    """(prompt, transcript, the snapshot of session "a"'s K/V) after one 4-token turn on an engine now stopped."""
     source = engine_with_tiers(tiny, tmp_path, host_budget=1 << 30)
     try:
         prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
@@ -120,6 +134,11 @@ async def test_a_failed_restore_falls_back_to_computing(tiny, tmp_path, monkeypa
         snapshot = await source.query(lambda: source.offloader.gather(SessionKey("default", "a"), transcript))
     finally:
         source.stop()
+    return prompt, transcript, snapshot
+
+
+async def test_a_failed_restore_falls_back_to_computing(tiny, tmp_path, monkeypatch):
+    _prompt, transcript, snapshot = await a_turns_snapshot(tiny, tmp_path)
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("no room")
@@ -137,6 +156,56 @@ async def test_a_failed_restore_falls_back_to_computing(tiny, tmp_path, monkeypa
     finally:
         fresh.stop()
         fresh.offloader.tiers.close()
+
+
+async def test_a_snapshot_covering_the_whole_prompt_leaves_its_last_token_to_compute(tiny, tmp_path):
+    """Regenerating a turn: the prompt is a prefix of what the session's snapshot holds. Its last token is computed
+    all the same, for the logits the first new token is sampled from."""
+    prompt, transcript, snapshot = await a_turns_snapshot(tiny, tmp_path)
+    assert snapshot.num_tokens > len(prompt)
+    fresh = engine_with_tiers(tiny, tmp_path / "other", host_budget=1 << 30)  # an empty pool
+    fresh.offloader.tiers.put(snapshot)
+    try:
+        before = fresh.counter.num_prefill_tokens
+        again = await run(fresh, prompt, session="a", max_tokens=4, ignore_eos=True)
+        assert again.admitted.source == "host"
+        assert again.admitted.num_cached == len(prompt) - 1
+        assert fresh.counter.num_prefill_tokens - before == 1
+        assert again.token_ids == transcript[len(prompt) :] == reference_greedy(tiny.model, prompt, 4)
+    finally:
+        fresh.stop()
+        fresh.offloader.tiers.close()
+
+
+async def test_spilling_counts_blocks_promised_to_admitted_requests_as_taken(tiny, tmp_path):
+    """Two requests admitted in one step: the second's blocks fit in the free ones only if the first's reservation
+    is forgotten. It is not: the idle session whose blocks they will take goes down a tier first, and its next turn
+    is restored from there instead of computed."""
+    engine = engine_with_tiers(tiny, tmp_path, host_budget=1 << 30, num_blocks=24)
+    tiers, key = engine.offloader.tiers, SessionKey("default", "a")
+    try:
+        prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")[:12]
+        first = await run(engine, prompt, session="a", max_tokens=4, ignore_eos=True)
+        transcript = prompt + first.token_ids
+        assert await cached_in_pool(engine, transcript) == 15  # 4 idle blocks; 20 free
+        other, last = words(tiny, "Numbers 0123456789"), words(tiny, "Paris is the capital")
+        async with paused(engine):
+            # R reserves 17 blocks: 3 free ones are left. P needs 5: admitted, but 2 of them will be a's.
+            r = asyncio.ensure_future(run(engine, other, rid="R", max_tokens=17 * BLOCK - len(other), ignore_eos=True))
+            p = asyncio.ensure_future(run(engine, last, rid="P", max_tokens=5 * BLOCK - len(last), ignore_eos=True))
+            await asyncio.sleep(0)  # both are submitted, in this order
+        await asyncio.gather(r, p)
+        assert engine.offloader.num_spilled == 1, "a's K/V was not copied down before promised blocks took its place"
+        assert tiers.usage(key).host_tokens == 15
+        assert await cached_in_pool(engine, transcript) < 15  # R and P did take some of a's blocks
+        turn2 = transcript + words(tiny, " Hello")
+        second = await run(engine, turn2, session="a", max_tokens=3, ignore_eos=True)
+        assert second.admitted.source == "host"
+        assert second.usage.cached_tokens == 15
+        assert second.token_ids == reference_greedy(tiny.model, turn2, 3)
+    finally:
+        engine.stop()
+        tiers.close()
 
 
 async def test_a_turn_that_cannot_be_journaled_fails_alone(tiny, tmp_path):
