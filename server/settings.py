@@ -69,6 +69,11 @@ class Settings(BaseSettings):
         1024, gt=0, description="stream events a client may leave unread before its request is ended"
     )
     log_prompts: bool = Field(False, description="debug only: log prompt text (never on by default)")
+    control_tokens_in_messages: bool = Field(
+        False,
+        description="read a control token spelt in a message's text (<|im_start|>, ...) as that token; off, such "
+        "text is plain text, so no message can forge a turn of another role",
+    )
     playground: bool = Field(True, description="serve the playground page at / and /playground")
     default_max_tokens: int = Field(512, gt=0, description="when a request gives no max_tokens")
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is ended")

@@ -58,6 +58,7 @@ class LoadedModel:
     max_token_bytes: int = 64  # no token stands for more UTF-8 bytes of text: bytes / this <= tokens
     dtype_reason: str = "configured"  # why this dtype (GET /v1/models/{id} shows it)
     weights_digest: str = ""  # of the weights as loaded, before any packing (the K/V fingerprint's; "": from model)
+    guards_control_text: bool = True  # a message's text never becomes a control token (serving/control_text.py)
 
 
 def read_specs(models_file: Path) -> list[ModelSpec]:

@@ -20,6 +20,8 @@ from typing import Any
 
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
+from server.serving import control_text
+from server.serving.prompts import check_chat_size
 from server.serving.tools import ToolUse, chat_template, for_template, tool_format
 from server.sessions.record import Session
 
@@ -27,11 +29,14 @@ PLACEHOLDER = "kvserve-seen-message-{}"
 
 
 def render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: bool, tools: ToolUse | None = None) -> str:
+    check_chat_size(loaded, messages, tools)  # a conversation that cannot fit is never rendered
     tokenizer = loaded.tokenizer
     template = chat_template(tokenizer, tools)
     if not template:
         raise ApiError(400, "invalid_parameter", f"model {loaded.spec.id!r} has no chat template", "messages")
     shown, definitions = for_template(messages, tools, tool_format(template))
+    if loaded.guards_control_text:  # what the client sent never spells a control token (control_text.py)
+        shown, definitions = control_text.mark(tokenizer, shown), control_text.mark(tokenizer, definitions)
     extra: dict[str, Any] = {"tools": definitions} if definitions else {}
     try:
         return tokenizer.apply_chat_template(
@@ -42,8 +47,9 @@ def render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: boo
 
 
 def tokenize(loaded: LoadedModel, text: str) -> list[int]:
-    # The template writes the special tokens itself; adding BOS again would change the prompt.
-    return loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    """Rendered text's ids. The template writes the special tokens itself (adding BOS again would change the
+    prompt); a control token spelt in a message was marked by `render` and comes out as plain text."""
+    return control_text.tokenize(loaded.tokenizer, text)
 
 
 def prompt_ids(

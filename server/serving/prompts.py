@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 from server.engine.request import SamplingParams
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
 from server.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
-from server.serving.tools import canonical_arguments, content_beside_calls
+from server.serving.tools import ToolUse, canonical_arguments, content_beside_calls
 
 
 def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
@@ -22,6 +24,18 @@ def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
             f"{at_least} tokens"
         )
         raise ApiError(400, "context_length_exceeded", message, param)
+
+
+def check_chat_size(loaded: LoadedModel, messages: list[dict[str, Any]], tools: ToolUse | None) -> None:
+    """The size rule for a whole conversation, before its template is rendered (on a worker thread: a tool's
+    schema may be megabytes): the contents, the tool calls' arguments and the tool definitions are all text
+    the prompt holds."""
+    texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    texts += [call["function"]["arguments"] for m in messages for call in m.get("tool_calls") or []]
+    check_text_size(loaded, texts, "messages")
+    if tools is not None and tools.specs:
+        definitions = json.dumps(tools.definitions(), ensure_ascii=False, separators=(",", ":"))
+        check_text_size(loaded, [*texts, definitions], "tools")
 
 
 def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
@@ -94,13 +108,17 @@ def sampling_params(
 def output_budget(
     loaded: LoadedModel, num_prompt: int, max_tokens: int | None, default_max_tokens: int, limit: int | None = None
 ) -> int:
-    """The request's max_tokens, or the default cut to the context; 400 when the context cannot hold it."""
+    """The request's max_tokens, or the default cut to the context; 400 when the context cannot hold it.
+
+    An explicit 0 (Anthropic's prefill-only request: compute and cache the prompt) needs room for the prompt
+    alone; a default needs room for one token at least."""
     max_context = loaded.max_context
     if max_tokens is not None and limit is not None and max_tokens > limit:
         raise ApiError(400, "invalid_parameter", f"max_tokens is at most {limit} on this server", "max_tokens")
+    is_prefill_only = max_tokens == 0
     if max_tokens is None:
         max_tokens = min(default_max_tokens, max_context - num_prompt, limit or default_max_tokens)
-    if num_prompt + max_tokens > max_context or max_tokens < 1:
+    if num_prompt + max_tokens > max_context or (max_tokens < 1 and not is_prefill_only):
         raise ApiError(
             400,
             "context_length_exceeded",

@@ -24,21 +24,16 @@ class Tokens:
         loaded = self.serving.engine(req.model).loaded
         if req.prompt is not None:
             check_text_size(loaded, [req.prompt], "prompt")
-            prompt = req.prompt
 
-            def tokens_of() -> list[int]:
-                return list(loaded.tokenizer(prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
-        else:
-            chat = _as_chat(req)
-            messages = chat_messages(chat)
-            check_text_size(loaded, [m["content"] for m in messages], "messages")
-
-            def tokens_of() -> list[int]:
-                text = continuation.render(loaded, messages, req.add_generation_prompt, tool_use(chat))
-                return continuation.tokenize(loaded, text)
-
-        def body() -> dict[str, Any]:  # rendering, tokenizing and naming the tokens: one hop off the event loop
-            tokens = tokens_of()
+        def body() -> dict[str, Any]:
+            """Checking the messages and tools as chat does, rendering, tokenizing and naming the tokens: all off
+            the event loop (a tool's schema may be megabytes; rendering checks the size first)."""
+            if req.prompt is not None:
+                tokens = list(loaded.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            else:
+                chat = _as_chat(req)
+                text = continuation.render(loaded, chat_messages(chat), req.add_generation_prompt, tool_use(chat))
+                tokens = continuation.tokenize(loaded, text)
             found: dict[str, Any] = {"count": len(tokens), "max_model_len": loaded.max_context, "tokens": tokens}
             if req.return_token_strs:
                 found["token_strs"] = loaded.tokenizer.convert_ids_to_tokens(tokens)

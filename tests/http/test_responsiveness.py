@@ -22,10 +22,10 @@ from server.serving import continuation, prompts
 from server.sessions.record import SessionKey
 from server.sessions.store import SessionStore
 from server.settings import Settings
+from tests.helpers import DEADLINE_S
 from tests.http.conftest import serve_live
 
 NUM_SESSIONS = 10_000
-DEADLINE_S = 30  # for the held work to start, and for /health to answer while it is held
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +154,89 @@ def test_listing_and_creating_cost_the_page_not_the_tenant():
     # A walk over every session would cost about 20x more; a sorted index costs a few more bisection steps.
     assert page < 1.5 * small_page, (page, small_page)
     assert create < 1.5 * small_create, (create, small_create)
+
+
+async def test_a_session_is_described_and_listed_while_a_forward_pass_holds_the_engine(tiny_spec, monkeypatch):
+    with serve_live([tiny_spec], Settings()) as (base, engine):
+        async with httpx.AsyncClient(base_url=base, timeout=DEADLINE_S) as client:
+            chat = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+            first = {**chat, "messages": [{"role": "user", "content": "Hello there"}], "session_id": "idle"}
+            assert (await client.post("/v1/chat/completions", json=first)).status_code == 200
+            before = (await client.get("/v1/sessions/idle")).json()
+            assert before["cache"]["device"]["tokens"] > 0
+            held = Held(engine.runner.run)  # the next forward pass waits inside, as a long prefill chunk would
+            monkeypatch.setattr(engine.runner, "run", held)
+            other = {**chat, "messages": [{"role": "user", "content": "Another"}], "session_id": "busy"}
+            busy = asyncio.create_task(client.post("/v1/chat/completions", json=other))
+            try:
+                assert await asyncio.to_thread(held.entered.wait, DEADLINE_S), "no forward pass started"
+                try:
+                    described = await client.get("/v1/sessions/idle", timeout=DEADLINE_S / 4)
+                    listed = await client.get("/v1/sessions", timeout=DEADLINE_S / 4)
+                except httpx.TimeoutException:
+                    pytest.fail("a session's description waited for the forward pass in progress")
+            finally:
+                held.release.set()
+            assert (await busy).status_code == 200
+        assert described.status_code == 200
+        assert described.json()["cache"] == before["cache"]  # the books as they were: the idle session's K/V
+        assert {s["id"]: s["cache"]["device"]["tokens"] for s in listed.json()["data"]}["idle"] == (
+            before["cache"]["device"]["tokens"]
+        )
+
+
+def big_schema(num_bytes: int) -> dict:
+    """A function's parameters of about `num_bytes` bytes of JSON (descriptions are capped; schemas are not)."""
+    properties = {f"p{i}": {"type": "string", "description": "w " * 450} for i in range(num_bytes // 1000)}
+    return {"type": "object", "properties": properties}
+
+
+def big_tool(num_bytes: int) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": big_schema(num_bytes)}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [big_tool(200_000)]}),
+        ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "tools": [big_tool(200_000)]}),
+        (
+            "/v1/responses",
+            {"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": big_schema(200_000)}]},
+        ),
+        (
+            "/v1/messages",
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 2,
+                "tools": [{"name": "f", "input_schema": big_schema(200_000)}],
+            },
+        ),
+    ],
+)
+async def test_tool_definitions_count_toward_the_size_rule_before_any_rendering(crowded, monkeypatch, path, body):
+    base, _ = crowded
+    renders = []
+    monkeypatch.setattr(continuation.control_text, "mark", lambda tokenizer, value: renders.append(1) or value)
+    async with httpx.AsyncClient(base_url=base, timeout=DEADLINE_S) as client:
+        r = await client.post(path, json={"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error.get("code") or error.get("type")) in ("context_length_exceeded", "invalid_request_error")
+    assert "context" in error["message"]
+    assert renders == []  # refused by its size: no template was rendered
+
+
+async def test_tokenizing_messages_with_tools_leaves_the_event_loop(crowded, monkeypatch):
+    base, _ = crowded
+    held = Held(continuation.render)
+    monkeypatch.setattr(continuation, "render", held)
+    tools = [big_tool(20_000)]  # fits the context: it is rendered, on a worker thread
+
+    async def send() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=base, timeout=DEADLINE_S) as client:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "tools": tools}
+            return await client.post("/tokenize", json=body)
+
+    r = await health_while_held(base, held, send())
+    assert r.status_code == 200, r.text
