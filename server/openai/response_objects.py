@@ -6,14 +6,15 @@ import time
 from typing import Any
 
 
-def usage_object(usage: list[int] | None) -> dict[str, Any] | None:
-    """[prompt, completion, cached] tokens as the Responses API's usage."""
+def usage_object(usage: list[int] | None, written: int = 0) -> dict[str, Any] | None:
+    """[prompt, completion, cached] tokens as the Responses API's usage, with `written`: the prompt tokens this
+    request computed and kept in the cache (cache_write_tokens)."""
     if usage is None:
         return None
     prompt, completion, cached = usage
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
@@ -64,7 +65,8 @@ def response_object(response_id: str, model: str, record: dict[str, Any], parent
         "status": status,
         "model": model,
         "output": output_items(response_id, text, record.get("calls") or [], item_status),
-        "usage": usage_object(record.get("usage")),
+        # Beside the usage list, so a record read by a replica that predates it still unpacks (and older ones say 0)
+        "usage": usage_object(record.get("usage"), record.get("cache_write_tokens", 0)),
         "previous_response_id": parent,
         "instructions": record.get("instructions"),
         "max_output_tokens": record.get("max_output_tokens"),

@@ -156,7 +156,11 @@ class ResponseRequest(WireModel):
     model: str = Field(..., min_length=1, max_length=256)
     input: str | list[InputItem] = Field(..., description="text (one user message) or a list of input items")
     instructions: str | None = Field(None, description="a system message for this response only (not inherited)")
-    previous_response_id: str | None = Field(None, pattern=RESPONSE_ID_PATTERN)
+    previous_response_id: str | None = Field(
+        None,
+        max_length=256,  # bounded; any id not stored here, malformed ones included, is 404 (OpenAI's answer)
+        description="a stored response to continue from (resp_...); an unknown id is 404 response_not_found",
+    )
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

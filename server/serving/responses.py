@@ -16,6 +16,7 @@ session's state once the turn is recorded, before the final event is sent.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from typing import Any
@@ -25,7 +26,7 @@ from fastapi import Request
 from server.engine.request import SamplingParams
 from server.openai.errors import ApiError
 from server.openai.response_objects import response_object
-from server.openai.responses import ResponseRequest
+from server.openai.responses import RESPONSE_ID_PATTERN, ResponseRequest
 from server.serving import continuation, structured
 from server.serving.completions import event_stream
 from server.serving.core import Serving, answer_headers, session_key
@@ -85,7 +86,8 @@ class Responses:
     async def _parent(self, req: ResponseRequest, tenant: str, model_id: str) -> Session | None:
         if req.previous_response_id is None:
             return None
-        parent = await self.serving.off_loop(self.store.view, SessionKey(tenant, req.previous_response_id, KIND))
+        key = _stored_key(tenant, req.previous_response_id)
+        parent = await self.serving.off_loop(self.store.view, key) if key is not None else None
         if parent is None or parent.extras.get("status") not in ("completed", "incomplete"):
             raise not_found(req.previous_response_id, "previous_response_id")
         if parent.model_id != model_id:
@@ -94,7 +96,8 @@ class Responses:
         return parent
 
     def _stored(self, tenant: str, response_id: str) -> dict[str, Any] | None:
-        view = self.store.view(SessionKey(tenant, response_id, KIND))
+        key = _stored_key(tenant, response_id)
+        view = self.store.view(key) if key is not None else None
         return view.extras if view is not None else None
 
     def _messages(self, req: ResponseRequest, parent: Session | None, items: list[dict]) -> list[dict[str, Any]]:
@@ -123,7 +126,7 @@ class Responses:
         prompt_ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, base, tools)
         fmt = req.text.format if req.text is not None else None
         schema = structured.schema_of(fmt.type, fmt.schema_) if fmt is not None else None
-        constraint = await structured.constraint(engine, schema, tools, reading.style)
+        constraint = await structured.constraint(engine, schema, tools, reading.style, "text.format")
         budget = output_budget(
             engine.loaded, len(prompt_ids), req.max_output_tokens, s.default_max_tokens, s.max_tokens_limit
         )
@@ -172,7 +175,8 @@ class Responses:
         return await run.collect(handle, events, http, headers)
 
     def get(self, response_id: str, tenant: str) -> dict[str, Any]:
-        view = self.store.view(SessionKey(tenant, response_id, KIND))
+        key = _stored_key(tenant, response_id)
+        view = self.store.view(key) if key is not None else None
         if view is None:
             raise not_found(response_id)
         return response_object(response_id, view.model_id, view.extras, view.parent)
@@ -193,6 +197,13 @@ class Responses:
         return {"object": "list", "data": page, "first_id": first, "last_id": last, "has_more": len(items) > limit}
 
     def delete(self, response_id: str, tenant: str) -> dict[str, Any]:
-        if not self.store.delete(SessionKey(tenant, response_id, KIND)):
+        key = _stored_key(tenant, response_id)
+        if key is None or not self.store.delete(key):
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _stored_key(tenant: str, response_id: str) -> SessionKey | None:
+    """The key a stored response would have; None for an id that was never one of ours (so is not stored: a 404
+    like any unknown id, which clients catch as OpenAI's NotFoundError), which reaches no store."""
+    return SessionKey(tenant, response_id, KIND) if re.fullmatch(RESPONSE_ID_PATTERN, response_id) else None

@@ -145,8 +145,8 @@ CASES = [
         "post",
         RESPONSES,
         {"model": "tiny", "input": "x", "previous_response_id": "r1"},
-        400,
-        "invalid_parameter",
+        404,  # not one of ours, so not stored: OpenAI's answer to any unknown id
+        "response_not_found",
     ),
     (
         "responses: unknown previous id",

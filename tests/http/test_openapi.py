@@ -5,11 +5,20 @@ from __future__ import annotations
 import re
 
 import pytest
+from openapi_spec_validator import OpenAPIV31SpecValidator
 
 
 @pytest.fixture(scope="module")
 def document(client) -> dict:
     return client.get("/openapi.json").json()
+
+
+def test_the_document_is_valid_openapi_3_1(document):
+    assert document["openapi"].startswith("3.1.")
+    problems = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in OpenAPIV31SpecValidator(document).iter_errors()
+    ]
+    assert not problems, "\n".join(problems)
 
 
 def test_errors_are_400s_in_the_envelope_never_422(document):
@@ -30,7 +39,8 @@ def test_errors_are_400s_in_the_envelope_never_422(document):
 def test_streams_sessions_and_keys_are_documented(document):
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         operation = document["paths"][path]["post"]
-        assert "text/event-stream" in operation["responses"]["200"]["content"]
+        events = operation["responses"]["200"]["content"]["text/event-stream"]
+        assert "with stream: true" in events["schema"]["description"]  # the event format, where 3.1 allows it
         assert any(p["name"] == "X-Session-ID" and p["in"] == "header" for p in operation["parameters"])
         assert "X-Session-ID" in operation["responses"]["200"]["headers"]
     assert document["components"]["securitySchemes"]["bearer"] == {
@@ -53,6 +63,17 @@ def test_no_field_is_listed_that_the_server_refuses(document, client):
     completions = document["components"]["schemas"]["CompletionRequest"]["properties"]
     assert "tools" not in completions
     assert "response_format" in completions
+
+
+def test_previous_response_id_promises_what_the_server_answers(document):
+    """Any id not stored is a 404 (listed), so the document holds no id pattern that would promise a 400."""
+    field = document["components"]["schemas"]["ResponseRequest"]["properties"]["previous_response_id"]
+    (text,) = [option for option in field["anyOf"] if option.get("type") == "string"]
+    assert "pattern" not in text
+    assert text["maxLength"] == 256  # a longer one is still refused (400)
+    assert "404" in field["description"]
+    responses = document["paths"]["/v1/responses"]["post"]["responses"]
+    assert "response_not_found" in responses["404"]["description"]
 
 
 def test_docs_load_their_files_from_this_server(client):

@@ -48,7 +48,9 @@ def page(site):
     sync_playwright = browser_or_skip()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=drive.CHROMIUM, headless=True, args=drive.ARGS)
-        yield browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
+        context = browser.new_context(viewport={"width": 1400, "height": 900})
+        context.add_init_script(drive.RECORD_VIOLATIONS)
+        yield context.new_page()
         browser.close()
 
 
@@ -71,13 +73,15 @@ def test_two_turns_a_recompute_a_fork_and_a_stopped_stream(site, page, tmp_path)
 
     drive.recompute(page, 1)
     assert "without the cache" in drive.turns(page)[1].locator("[data-testid=turn-stats]").inner_text()
-    page.wait_for_function("document.querySelector('[data-testid=sessions]').textContent.includes('device')")
+    page.wait_for_function("() => document.querySelector('[data-testid=sessions]').textContent.includes('device')")
     assert "blocks in use" in page.locator("[data-testid=pool]").inner_text()  # the pool's usage, from /metrics
     page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
     assert (tmp_path / "playground.png").stat().st_size > 10_000
 
     drive.turns(page)[0].locator("[data-testid=fork]").click()
-    page.wait_for_function(f"!document.querySelector('[data-testid=session-name]').textContent.includes('{parent}')")
+    page.wait_for_function(
+        f"() => !document.querySelector('[data-testid=session-name]').textContent.includes('{parent}')"
+    )
     assert len(drive.turns(page)) == 1  # the fork holds the parent's first turn
     forked = page.locator("[data-testid=session-name]").inner_text().removeprefix("session ")
     described = httpx.get(f"{base}/v1/sessions/{forked}", headers=auth).json()
@@ -87,12 +91,13 @@ def test_two_turns_a_recompute_a_fork_and_a_stopped_stream(site, page, tmp_path)
     page.fill("[data-testid=message]", "Now write at length")
     page.click("[data-testid=send]")
     streaming = "[data-testid=turn][data-status=streaming] .assistant"
-    page.wait_for_function(f"document.querySelector('{streaming}').textContent.length > 0", timeout=drive.WAIT_MS)
+    page.wait_for_function(f"() => document.querySelector('{streaming}').textContent.length > 0", timeout=drive.WAIT_MS)
     page.click("[data-testid=stop]")
-    page.wait_for_function("document.querySelector('[data-testid=turns]').dataset.stopped === 'true'")
+    page.wait_for_function("() => document.querySelector('[data-testid=turns]').dataset.stopped === 'true'")
     wait_until(lambda: engine.num_active == 0, 30, "the stopped stream's generation to end")
     assert len(drive.turns(page)) == 1  # a stopped turn is not a turn
     assert httpx.get(f"{base}/v1/sessions/{forked}", headers=auth).json()["turns"] == 1
+    assert drive.violations(page) == []  # the page's Content-Security-Policy blocked nothing it does
 
 
 def test_the_page_and_its_files_need_no_key_and_can_be_turned_off(tiny_spec, site):

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 
 import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from openai.types.responses import Response, ResponseCompletedEvent, ResponseIncompleteEvent
 
 from server.app import create_app
 from server.sessions.record import SessionKey
 from server.settings import Settings
-from tests.helpers import reference_greedy, wait_until
+from tests.helpers import DEADLINE_S, reference_greedy, wait_until, wait_until_async
 from tests.http.conftest import wait_ready
+from tests.http.test_tools import PERSON
 
 RESPONSES = "/v1/responses"
+# A grammar the reply must end in: the response completes (the tiny model alone runs to max_output_tokens)
+ENDING = {"text": {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}}
 
 
 def create(client, **body):
@@ -69,7 +75,41 @@ def test_store_false_is_not_kept_and_unknown_parents_are_404(client):
     missing = client.post(RESPONSES, json={"model": "tiny", "input": "x", "previous_response_id": r["id"]})
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "response_not_found"
-    assert client.get(f"{RESPONSES}/resp_nope").status_code == 400  # not even a response id
+    for never_ours in ("resp_nope", "r1", "resp_" + "A" * 32):  # not even a response id: unknown all the same
+        for method, path in (("GET", ""), ("GET", "/input_items"), ("DELETE", "")):
+            r = client.request(method, f"{RESPONSES}/{never_ours}{path}")
+            assert r.status_code == 404, (method, path, r.text)
+            assert r.json()["error"]["code"] == "response_not_found"
+    assert client.get(f"{RESPONSES}/{'r' * 300}").status_code == 400  # bounded in length
+
+
+@pytest.mark.parametrize("unknown", ["resp_" + "0" * 32, "resp_nope", "r1", "resp_" + "A" * 32, "../etc", " "])
+def test_any_previous_response_id_not_stored_is_404_like_openai(client, unknown):
+    r = client.post(RESPONSES, json={"model": "tiny", "input": "x", "previous_response_id": unknown})
+    assert r.status_code == 404
+    assert r.json()["error"] == {
+        "message": f"no stored response {unknown!r}",
+        "type": "not_found_error",
+        "param": "previous_response_id",
+        "code": "response_not_found",
+    }
+
+
+def test_a_huge_previous_response_id_is_still_refused_by_length(client):
+    r = client.post(RESPONSES, json={"model": "tiny", "input": "x", "previous_response_id": "r" * 10_000})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "previous_response_id"
+    assert len(r.text) < 2_000  # the id is not echoed back whole
+
+
+def test_the_openai_client_raises_not_found_for_an_unknown_previous_id(live):
+    base, _engine = live
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    for unknown in ("resp_" + "0" * 32, "resp_made_up_by_a_client"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.responses.create(model="tiny", input="x", previous_response_id=unknown, max_output_tokens=2)
+        assert caught.value.code == "response_not_found"
+        assert caught.value.param == "previous_response_id"
 
 
 @pytest.mark.parametrize(
@@ -94,6 +134,57 @@ def test_stored_responses_expire_after_their_retention(tiny_spec):
         old = create(short, input="Hello again").json()
         assert short.get(f"{RESPONSES}/{old['id']}").status_code == 200
         wait_until(lambda: short.get(f"{RESPONSES}/{old['id']}").status_code == 404, what="the response to expire")
+
+
+def usage_of(response: Response) -> tuple[int, int, int]:
+    """(input, cached, cache_write) tokens, read through the openai SDK's own model of the usage."""
+    assert response.usage is not None
+    details = response.usage.input_tokens_details
+    return response.usage.input_tokens, details.cached_tokens, details.cache_write_tokens
+
+
+def test_completed_and_incomplete_responses_fit_the_openai_sdks_models(client):
+    done = create(client, input="Who is it?", seed=0, temperature=1.0, max_output_tokens=80, **ENDING).json()
+    cut = create(client, input="Count the usage", max_output_tokens=1).json()
+    assert (done["status"], cut["status"]) == ("completed", "incomplete")
+    for body in (done, cut):
+        stored = client.get(f"{RESPONSES}/{body['id']}").json()
+        for response in (Response.model_validate(body), Response.model_validate(stored)):
+            num_input, num_cached, num_written = usage_of(response)
+            assert num_written == num_input - num_cached > 0  # computed here, and kept for the next request
+    child = Response.model_validate(create(client, input="And then?", previous_response_id=cut["id"]).json())
+    num_input, num_cached, num_written = usage_of(child)
+    assert num_cached > 0
+    assert num_written == num_input - num_cached  # only the new input's tokens were computed (and kept)
+
+
+def test_a_response_that_keeps_nothing_reports_no_cache_writes(client, tiny_spec):
+    body = create(client, input="Not kept anywhere", cache_prompt=False).json()
+    assert usage_of(Response.model_validate(body))[1:] == (0, 0)
+    with TestClient(create_app(Settings(prefix_caching=False), specs=[tiny_spec])) as uncached:
+        wait_ready(uncached)
+        for _ in range(2):  # the second would reuse the first's blocks if any were kept
+            body = create(uncached, input="Not kept either").json()
+            assert usage_of(Response.model_validate(body))[1:] == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "final", "model"),
+    [
+        ({"seed": 0, "temperature": 1.0, "max_output_tokens": 80, **ENDING}, "completed", ResponseCompletedEvent),
+        ({"max_output_tokens": 1}, "incomplete", ResponseIncompleteEvent),
+    ],
+)
+def test_the_streams_last_event_fits_the_openai_sdks_model(client, fields, final, model):
+    body = {"model": "tiny", "input": f"Streamed to its end: {final}", "stream": True, "temperature": 0, **fields}
+    with client.stream("POST", RESPONSES, json=body) as r:
+        kind, data = sse(r)[-1]
+    assert kind == f"response.{final}"
+    response = model.model_validate(data).response
+    assert response.status == final
+    num_input, num_cached, num_written = usage_of(response)
+    assert num_written == num_input - num_cached > 0
+    assert Response.model_validate(client.get(f"{RESPONSES}/{response.id}").json()).usage == response.usage
 
 
 def sse(response) -> list[tuple[str, dict]]:
@@ -161,24 +252,31 @@ def test_official_client_create_and_stream(live):
                 text += event.delta
     assert seen[0] == "response.created"
     assert seen[-1] in ("response.completed", "response.incomplete")
+    # The last event's response, either way (the SDK's get_final_response() only takes response.completed)
+    assert event.response.status == seen[-1].removeprefix("response.")
+    assert event.response.output_text == text
     if seen[-1] == "response.completed":
         assert stream.get_final_response().output_text == text
     assert client.responses.retrieve(again.id).id == again.id
 
 
-def wait_idle(engine, timeout_s: float = 10) -> None:
-    wait_until(lambda: engine.num_active == 0, timeout_s, "generation to stop after the client left")
+def wait_idle(engine) -> None:
+    wait_until(lambda: engine.num_active == 0, what="generation to stop after the client left")
 
 
-def test_a_client_that_leaves_stops_its_response(live):
+async def test_a_client_that_leaves_stops_its_response(live):
     base, engine = live
     body = {"model": "tiny", "input": "Paris is", "max_output_tokens": 3000, "temperature": 0}  # no early end
     before = engine.counter.num_decode_tokens
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + RESPONSES, json=body, timeout=0.3)
-    wait_idle(engine)
+    async with httpx.AsyncClient(base_url=base, timeout=DEADLINE_S) as client:
+        sent = asyncio.create_task(client.post(RESPONSES, json=body))
+        await wait_until_async(lambda: engine.counter.num_decode_tokens > before, what="decoding to start")
+        sent.cancel()  # the client leaves mid-generation
+        with contextlib.suppress(asyncio.CancelledError):
+            await sent
+    await asyncio.to_thread(wait_idle, engine)
     assert engine.counter.num_decode_tokens - before < 3000  # stopped, not run to its end
-    with httpx.stream("POST", base + RESPONSES, json=body | {"stream": True}, timeout=30) as r:
+    with httpx.stream("POST", base + RESPONSES, json=body | {"stream": True}, timeout=DEADLINE_S) as r:
         lines = r.iter_lines()
         created = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
     wait_idle(engine)

@@ -33,6 +33,7 @@ function element(tag, attributes = {}, ...children) {
   for (const [name, value] of Object.entries(attributes)) {
     if (name === "onclick") node.onclick = value;
     else if (name === "disabled") node.disabled = Boolean(value);
+    else if (name === "style") node.style.cssText = value; // CSSOM: the page's CSP refuses style attributes
     else node.setAttribute(name, value);
   }
   node.append(...children);

@@ -7,11 +7,12 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Path, Query, Request
 
 from server.http import deps
-from server.openai.responses import RESPONSE_ID_PATTERN, ResponseRequest
+from server.openai.responses import ResponseRequest
 from server.serving.responses import Responses
 
 router = APIRouter(tags=["responses"])
-ResponsePath = Path(..., pattern=RESPONSE_ID_PATTERN, description="the response id")
+# Any id that is not stored is a 404, as OpenAI answers (clients catch NotFoundError); only its length is bounded.
+ResponsePath = Path(..., max_length=256, description="the response id")
 
 
 @router.post("/v1/responses", summary="Create a response (JSON or SSE events), continuing a previous one's K/V")
