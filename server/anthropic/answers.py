@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import jiter
 from sse_starlette import ServerSentEvent
+
+from server.openai.formats import JSON, exact_float
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -58,7 +61,36 @@ def content_blocks(text: str, calls: list[dict[str, Any]]) -> list[dict[str, Any
 
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
     function = call["function"]
-    return {"type": "tool_use", "id": call["id"], "name": function["name"], "input": json.loads(function["arguments"])}
+    return {"type": "tool_use", "id": call["id"], "name": function["name"], "input": tool_input(function["arguments"])}
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as a tool_use block's `input` (an object). A call max_tokens cut short has the text so
+    far: its input is what of it is whole, read as Anthropic's clients read a streamed input cut short (jiter's
+    partial mode: members whose value ended; an unfinished string, literal or key left out; an unfinished object
+    or array as far as it went). Numbers are read as a call's arguments are (`exact_float`: never infinity)."""
+    try:
+        value = JSON.decode(arguments)
+    except ValueError:
+        try:
+            found = jiter.from_json(
+                arguments.encode(), partial_mode=True, allow_inf_nan=False, float_mode="lossless-float"
+            )
+            value = _exact(found)
+        except ValueError:
+            value = None
+    return value if isinstance(value, dict) else {}
+
+
+def _exact(value: Any) -> Any:
+    """jiter's lossless floats as `exact_float` reads them (a member it cannot hold raises ValueError)."""
+    if isinstance(value, jiter.LosslessFloat):
+        return exact_float(str(value))
+    if isinstance(value, dict):
+        return {key: _exact(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_exact(item) for item in value]
+    return value
 
 
 def message_object(message_id: str, model: str, content: list[dict[str, Any]], **state: Any) -> dict[str, Any]:

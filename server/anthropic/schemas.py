@@ -81,6 +81,23 @@ class Message(BaseModel):
     _known = field_validator("content", mode="before")(known_blocks)
 
 
+ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+WHERE_BLOCKS_GO = {
+    "tool_use": "tool_use blocks belong in assistant messages (they are the calls the assistant made)",
+    "tool_result": "tool_result blocks belong in user messages",
+}
+
+
+def blocks_in_their_roles(messages: list[Message]) -> None:
+    """A tool_use block is an assistant's, a tool_result block a user's: one elsewhere is a 400 naming it (the
+    conversation could only be rendered by dropping it)."""
+    for i, message in enumerate(messages):
+        for j, block in enumerate(message.content if isinstance(message.content, list) else []):
+            if block.type not in ROLE_BLOCKS[message.role]:
+                context = {"where": f"messages.{i}.content.{j}", "why": WHERE_BLOCKS_GO[block.type]}
+                raise PydanticCustomError("invalid_block", "{where}: {why}", context)
+
+
 class Tool(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["custom"] | None = None
@@ -91,6 +108,18 @@ class Tool(BaseModel):
 
 
 custom_tools_only = only_kinds((None, "custom"), "tools", " (client tools with an input_schema are)")
+
+
+def unique_names(tools: list[Tool] | None) -> list[Tool] | None:
+    """Calls name their tool: two tools of one name could not be told apart (chat refuses them too)."""
+    seen: set[str] = set()
+    for tool in tools or []:
+        if tool.name in seen:
+            raise PydanticCustomError(
+                "value_error", "tool names must be unique: '{name}' is declared twice", {"name": tool.name}
+            )
+        seen.add(tool.name)
+    return tools
 
 
 class ToolChoice(BaseModel):
@@ -142,7 +171,13 @@ class Conversation(WireModel):
     thinking: Thinking | None = Field(None, description="only {'type': 'disabled'}: these models do not reason apart")
 
     _custom_tools = field_validator("tools", mode="before")(custom_tools_only)
+    _unique_tools = field_validator("tools")(unique_names)
     _no_thinking = field_validator("thinking", mode="before")(thinking_disabled)
+
+    @model_validator(mode="after")
+    def _blocks_in_their_roles(self) -> Conversation:
+        blocks_in_their_roles(self.messages)
+        return self
 
     @model_validator(mode="after")
     def _choice_names_a_tool(self) -> Conversation:

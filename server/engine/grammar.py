@@ -11,6 +11,7 @@ constrained and free rows still share one forward pass and one batched argmax or
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,8 @@ import torch
 
 from server.errors import Refused
 
-MAX_GRAMMAR_ERROR = 300  # characters of the library's message kept in a 400
+MAX_GRAMMAR_ERROR = 300  # characters of the library's message kept in a 400 or a log line
+MAX_PROBE_STEPS = 64  # forced stretches walked at compile time (a tool call's opening is a few)
 
 
 class GrammarError(Refused):
@@ -44,7 +46,33 @@ class Constraint:
 
     @property
     def error(self) -> str:
-        return str(self.matcher.get_error())
+        """The library's reason, bounded (its parser limits keep the grammar itself out of it: see `_limits`)."""
+        return reason(str(self.matcher.get_error()))
+
+
+def reason(message: str) -> str:
+    """The library's error message as a person reads it: its debug marker dropped, its length bounded."""
+    text = message.replace("<non-verbose/>", "").strip()
+    if "Current row has" in text:  # an Earley row past max_items_in_row: too many alternatives at one point
+        count = text.split("Current row has", 1)[1].split()[0]
+        text = (
+            f"too many alternatives at one point of the document ({count} parser items; at most "
+            f"{MAX_ITEMS_IN_ROW}): for example, fewer optional properties in one object"
+        )
+    elif text in ("NoExtension", "NoExtensionBias"):
+        text = "it allows no document at all"
+    return text[:MAX_GRAMMAR_ERROR]
+
+
+MAX_ITEMS_IN_ROW = 2000  # llguidance's default, named so the message can say it
+
+
+def _limits() -> Any:
+    """llguidance's default limits, but errors without the grammar in them (a 1,000-property schema's grammar in
+    every error: a megabyte per log line)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW, verbose_errors=False)
 
 
 class Grammars:
@@ -84,17 +112,25 @@ class Grammars:
 
         return str(llguidance.LLMatcher.grammar_from_lark(text))
 
-    def compile(self, grammar: str) -> Constraint:
-        """A fresh matcher for one request. Blocking (up to a second for a large schema): call off the loop."""
+    def compile(self, grammar: str, starts: Mapping[str, str] | None = None) -> Constraint:
+        """A fresh matcher for one request, its forced start walked (`probe`), and as well from each of `starts`
+        (what it names -> text the grammar takes from its beginning: a forced call's opening per function).
+        Blocking (up to a second for a large schema): call off the loop."""
         import llguidance
 
-        tokenizer = self._llg_tokenizer()
-        message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        tokenizer, limits = self._llg_tokenizer(), _limits()
+        message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
         if message and not message.startswith("WARNING"):
-            raise GrammarError(f"the schema or grammar cannot be compiled: {message[:MAX_GRAMMAR_ERROR]}")
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            raise GrammarError(f"the schema or grammar cannot be compiled: {reason(message)}")
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            raise GrammarError(f"the schema or grammar cannot be compiled: {matcher.get_error()[:MAX_GRAMMAR_ERROR]}")
+            raise GrammarError(f"the schema or grammar cannot be compiled: {reason(matcher.get_error())}")
+        probe(matcher, tokenizer)
+        for label, start in (starts or {}).items():
+            try:
+                probe(matcher, tokenizer, start)
+            except GrammarError as exc:
+                raise GrammarError(f"{label}: {exc.message}") from exc
         return Constraint(matcher)
 
     def fill_masks(self, constraints: list[Constraint]) -> torch.Tensor:
@@ -105,6 +141,28 @@ class Grammars:
         matchers = [(c.matcher, i) for i, c in enumerate(constraints)]
         llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
         return bitmask
+
+
+def probe(matcher: Any, tokenizer: Any, start: str = "") -> None:
+    """Walk the grammar's forced stretch (after `start`) on a copy of `matcher`, computing each mask on the way:
+    what the library can only find out by computing a mask (a parser row past its limits, a grammar that allows
+    nothing) is then a 400 before the request is admitted, not a failure at its first decode step. A schema's
+    first brace and a call's opening up to its arguments' first brace are forced, and the limits mostly trip
+    right after them; what a model's own choices lead to later can still fail there (a 500 with the reason)."""
+    copy = matcher.deep_copy()
+    if start and not copy.consume_tokens(tokenizer.tokenize_str(start)):
+        raise GrammarError(f"the grammar refused its own start: {reason(copy.get_error())}")
+    for _ in range(MAX_PROBE_STEPS):
+        if copy.is_stopped():
+            break
+        copy.compute_bitmask()
+        forced = b"" if copy.is_error() else copy.compute_ff_bytes()
+        if forced:
+            copy.consume_tokens(tokenizer.tokenize_bytes(forced))
+        if copy.is_error():
+            raise GrammarError(f"the schema or grammar cannot be held: {reason(copy.get_error())}")
+        if not forced:
+            break
 
 
 FORBIDDEN = -1e30  # added to a forbidden token's logit: no softmax, argmax or draw can pick it

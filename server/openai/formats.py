@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+from decimal import Decimal
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -10,6 +13,29 @@ from pydantic_core import PydanticCustomError
 
 FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_TOOLS = 128
+
+
+MAX_NUMBER_DIGITS = 4000  # below Python's int <-> str limit (4300): what `json.dumps` can write back
+
+
+def exact_float(text: str) -> float | int:
+    """A JSON number past a float's range stays exact as an int (10**400, not inf: JSON has no infinity, and an
+    answer holding one could not be written); one of more than MAX_NUMBER_DIGITS digits is no number kvserve
+    holds (1e999999999 would take the process's memory and time): a ValueError, as for text that is no JSON."""
+    value = float(text)
+    if math.isfinite(value):
+        return value
+    exact = Decimal(text)
+    if exact.adjusted() >= MAX_NUMBER_DIGITS:
+        raise ValueError("a number too large to hold")
+    return int(exact)
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+JSON = json.JSONDecoder(parse_float=exact_float, parse_constant=_not_json)  # what a call's arguments are read with
 
 
 class JsonSchemaSpec(BaseModel):

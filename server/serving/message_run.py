@@ -11,7 +11,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette import ServerSentEvent
 
-from server.anthropic.answers import content_blocks, error_envelope, event, message_object, stop_reason, usage
+from server.anthropic.answers import (
+    content_blocks,
+    error_envelope,
+    event,
+    message_object,
+    stop_reason,
+    tool_input,
+    usage,
+)
 from server.engine.handle import RequestHandle
 from server.engine.request import Admitted, Event, Failed, Finished, TextDelta
 from server.openai.errors import CODE_STATUS, ApiError
@@ -127,7 +135,8 @@ class _BlockStream:
             function = call["function"]
             start = {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}}
             out.append(event("content_block_start", index=self.index, content_block=start))
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(json.loads(function["arguments"]))}
+            # One delta with the whole input (of a call cut short, what of it is whole: the answer's JSON agrees)
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(tool_input(function["arguments"]))}
             out.append(event("content_block_delta", index=self.index, delta=delta))
             out.append(event("content_block_stop", index=self.index))
             self.index, self.num_calls = self.index + 1, self.num_calls + 1

@@ -36,6 +36,7 @@ def result(finish_reason: str, text: str, usage: Usage, calls: list[dict[str, An
         "calls": calls,
         "finish_reason": finish_reason,
         "usage": [usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens],
+        "cache_write_tokens": usage.cache_write_tokens,
     }
 
 
@@ -128,7 +129,8 @@ class ResponseRun:
                         yield sse
                 elif isinstance(event, Finished):
                     text, calls = self.reader.finish()
-                    for sse in stream.text(text, last=True) + stream.calls(calls) + stream.close():
+                    done = stream.text(text, last=True) + stream.calls(calls, self.reader.is_cut) + stream.close()
+                    for sse in done:
                         yield sse
                     final = await self._finished(event)
                     yield self._event(f"response.{final['status']}", response=final)
@@ -181,10 +183,12 @@ class _ItemStream:
         out.append(self.run._event("response.output_item.done", output_index=0, item=item))
         return out
 
-    def calls(self, calls: list[dict[str, Any]]) -> list[ServerSentEvent]:
+    def calls(self, calls: list[dict[str, Any]], is_cut: bool = False) -> list[ServerSentEvent]:
+        """Each call's events; with `is_cut`, the last one's arguments are unfinished (its item is incomplete)."""
         out = self.close() if calls and self.is_open else []
         run = self.run
-        for call in calls:
+        for number, call in enumerate(calls, 1):
+            status = "incomplete" if is_cut and number == len(calls) else "completed"
             index, self.num_calls = self.num_calls, self.num_calls + 1
             position = index + (1 if self.is_open else 0)
             where = {"item_id": call_item_id(run.response_id, index), "output_index": position}
@@ -193,6 +197,6 @@ class _ItemStream:
             out.append(run._event("response.output_item.added", output_index=position, item=added))
             out.append(run._event("response.function_call_arguments.delta", **where, delta=arguments))
             out.append(run._event("response.function_call_arguments.done", **where, arguments=arguments))
-            done = function_call_item(run.response_id, index, call, "completed")
+            done = function_call_item(run.response_id, index, call, status)
             out.append(run._event("response.output_item.done", output_index=position, item=done))
         return out

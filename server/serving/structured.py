@@ -3,13 +3,15 @@
 `response_format` text is no grammar; json_object is any JSON object; json_schema is its schema
 (strict or not, the grammar holds every token to it). `tool_choice` required or a named function
 is the tool-call grammar of the model's call syntax (`tools.grammar`), and wins over a
-response_format. The grammar is compiled off the event loop, once per request (a fresh matcher);
-one the library refuses is a 400 with its reason.
+response_format. The grammar is compiled off the event loop, once per request (a fresh matcher,
+its forced start walked so the library's limits trip now); one the library refuses, or a schema
+with no finite document, is a 400 naming the parameter it came from, before the request is admitted.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.engine import Engine
@@ -17,6 +19,7 @@ from server.engine.grammar import Constraint, GrammarError, Grammars
 from server.openai.errors import ApiError
 from server.openai.formats import ResponseFormat
 from server.serving import tools as tool_calls
+from server.serving.json_schema import finite_document_problem
 from server.serving.tools import ToolUse
 
 
@@ -35,26 +38,57 @@ def format_schema(response_format: ResponseFormat | None) -> dict[str, Any] | No
     return schema_of(response_format.type, spec.schema_ if spec is not None else None)
 
 
-def grammar_text(schema: dict[str, Any] | None, tools: ToolUse | None, style: str) -> tuple[str, str] | None:
-    """(grammar, the parameter it comes from), or None when the request is free text."""
+@dataclass(slots=True, frozen=True)
+class GrammarText:
+    """A request's grammar, the parameter it comes from, and (for forced calls) each function's call opening:
+    the grammar is walked from each too, so a function's arguments past the library's limits are found before
+    generating, whichever function the model would pick."""
+
+    grammar: str
+    param: str
+    starts: dict[str, str] = field(default_factory=dict)  # "function 'f'" -> its call's opening
+
+
+def grammar_text(
+    schema: dict[str, Any] | None, tools: ToolUse | None, style: str, format_param: str = "response_format"
+) -> GrammarText | None:
+    """The request's grammar, or None when it is free text. `format_param`: the API's name of its output
+    format (response_format, text.format, output_config.format)."""
+    if tools is not None and tools.is_forced:
+        specs = tool_calls.forced_specs(tools)
+        for spec in specs:
+            problem = finite_document_problem(tool_calls.forced_arguments(spec.parameters))
+            if problem is not None:
+                raise refused(f"function '{spec.name}' parameters: {problem}", "tools")
+        starts = {f"function '{s.name}'": tool_calls.call_start(s.name, style) for s in specs}
+        return GrammarText(Grammars.lark(tool_calls.grammar(tools, style)), "tools", starts)
+    if schema is None:
+        return None
+    problem = finite_document_problem(schema)
     try:
-        if tools is not None and tools.is_forced:
-            return Grammars.lark(tool_calls.grammar(tools, style)), "tool_choice"
-        if schema is not None:
-            return Grammars.json_schema(schema), "response_format"
+        if problem is not None:
+            raise GrammarError(f"the JSON schema cannot be used: {problem}")
+        return GrammarText(Grammars.json_schema(schema), format_param)
     except GrammarError as exc:
-        raise ApiError(400, "invalid_parameter", exc.message, "response_format") from exc
-    return None
+        raise refused(exc.message, format_param) from exc
 
 
 async def constraint(
-    engine: Engine, schema: dict[str, Any] | None, tools: ToolUse | None, style: str
+    engine: Engine,
+    schema: dict[str, Any] | None,
+    tools: ToolUse | None,
+    style: str,
+    format_param: str = "response_format",
 ) -> Constraint | None:
-    found = grammar_text(schema, tools, style)
+    found = grammar_text(schema, tools, style, format_param)
     if found is None:
         return None
-    grammar, param = found
     try:
-        return await asyncio.to_thread(engine.grammars.compile, grammar)
+        return await asyncio.to_thread(engine.grammars.compile, found.grammar, found.starts)
     except GrammarError as exc:
-        raise ApiError(400, "invalid_parameter", exc.message, "tools" if param == "tool_choice" else param) from exc
+        raise refused(exc.message, found.param) from exc
+
+
+def refused(message: str, param: str) -> ApiError:
+    """A 400 naming the parameter in its message too (Anthropic's error envelope has no `param`)."""
+    return ApiError(400, "invalid_parameter", f"'{param}': {message}", param)

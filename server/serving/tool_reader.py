@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from server.serving.tools import (
     CALL_CLOSE,
     CALL_OPEN,
+    JSON,
     PYTHON_TAG,
     ToolUse,
     assistant_message,
@@ -17,6 +19,10 @@ from server.serving.tools import (
     canonical_arguments,
     model_tool_format,
 )
+
+# A call's opening with its name whole (the name first, as the prompt and the grammar write it), and where its
+# arguments begin when their key was written too.
+NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(\s*,\s*"(?:arguments|parameters)"\s*:\s*)?')
 
 
 @dataclass(slots=True)
@@ -29,6 +35,7 @@ class ToolReader:
     request_id: str
     calls: list[dict[str, Any]] = field(default_factory=list)
     content: str = ""  # sent as content so far
+    is_cut: bool = False  # the last call's arguments are unfinished: the reply ended inside its block
     _held: str = ""  # not sent yet: a possible call's start, or the call blocks being read
     _since_first_call: str = ""  # everything from the first call's start: content after all if no call parses
     _in_calls: bool = False
@@ -72,16 +79,33 @@ class ToolReader:
         return sent, found
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """At the end of the reply: what is left. A reply whose call blocks all failed to parse is content."""
+        """At the end of the reply: what is left. A call block the reply ended inside (max_tokens cut it) is never
+        content: a call cut short (`is_cut`) when its name is whole, its arguments the text so far; else nothing.
+        A reply whose closed call blocks all failed to parse is content; a forced reply is only calls."""
         held, self._held = self._held, ""
+        is_forced = self.tools is not None and self.tools.is_forced
         if self._json_reply:
-            found = [call for obj in _json_objects(held.strip().removeprefix(PYTHON_TAG)) for call in self._add(obj)]
-            if found:
-                return "", found
-        elif self.calls:
-            return "", []  # after the calls (text, an unclosed block): not part of the answer
-        elif self._in_calls:
-            held = self._since_first_call
+            return self._finish_json(held, is_forced)
+        if not self._in_calls:
+            held = "" if is_forced else held  # a forced reply cut inside its first tag
+            self.content += held
+            return held, []
+        start = held.find(CALL_OPEN)  # every block before it closed: an unfinished one from here
+        found = self._add_cut(held[start + len(CALL_OPEN) :]) if start >= 0 else []
+        if self.calls or is_forced:
+            return "", found  # after the calls (text, a block that did not parse): not part of the answer
+        before = len(self._since_first_call) - len(held) + (start if start >= 0 else len(held))
+        text = self._since_first_call[:before]
+        self.content += text
+        return text, []
+
+    def _finish_json(self, held: str, is_forced: bool) -> tuple[str, list[dict[str, Any]]]:
+        """A Llama-3 JSON reply: successive call objects, the last perhaps cut short; content if it is not that."""
+        values, rest = _json_values(held.lstrip().removeprefix(PYTHON_TAG))
+        found = [call for obj in values for call in self._add(obj)]
+        found += self._add_cut(rest) if rest else []
+        if found or is_forced:
+            return "", found
         self.content += held
         return held, []
 
@@ -100,6 +124,34 @@ class ToolReader:
             "function": function,
         }
         self.calls.append(call)
+        return [call]
+
+    def _add_cut(self, text: str) -> list[dict[str, Any]]:
+        """The call an unfinished block holds, if its name is whole and declared: its arguments are the text so
+        far (whole ones, when only the block's end is missing, are canonical like any call's)."""
+        assert self.tools is not None
+        match = NAME_FIRST.match(text)
+        if match is None or (self.calls and not self.tools.parallel):
+            return []
+        try:
+            name = json.loads(f'"{match.group(1)}"')
+        except ValueError:
+            return []
+        if name not in {spec.name for spec in self.tools.specs}:
+            return []
+        rest = text[match.end() :] if match.group(2) else ""
+        if rest and not rest.startswith("{"):
+            return []  # arguments that are no object: no call (as for a whole block)
+        try:
+            arguments, _end = JSON.raw_decode(rest)
+        except ValueError:
+            arguments = None
+        is_whole = isinstance(arguments, dict)
+        function = {"name": name, "arguments": canonical_arguments(arguments) if is_whole else rest}
+        call: dict[str, Any] = {"id": call_id(self.request_id, len(self.calls)), "type": "function"}
+        call["function"] = function
+        self.calls.append(call)
+        self.is_cut = not is_whole
         return [call]
 
     def message(self) -> dict[str, Any]:
@@ -162,25 +214,26 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def _json_objects(text: str) -> list[Any]:
-    """Successive JSON values separated by `;` or whitespace (a `;` inside a string is the string's); [] when the
-    text is not only that."""
-    decoder, found, at = json.JSONDecoder(), [], 0
+def _json_values(text: str) -> tuple[list[Any], str]:
+    """Successive JSON values separated by `;` or whitespace (a `;` inside a string is the string's), and the rest
+    of the text from where it stopped being that ("" when all of it was)."""
+    at = 0
+    found: list[Any] = []
     while at < len(text):
         while at < len(text) and (text[at].isspace() or text[at] == ";"):
             at += 1
         if at == len(text):
             break
         try:
-            value, at = decoder.raw_decode(text, at)
+            value, at = JSON.raw_decode(text, at)
         except ValueError:
-            return []
+            return found, text[at:]
         found.append(value)
-    return found
+    return found, ""
 
 
 def _json_object(text: str) -> Any:
     try:
-        return json.loads(text.strip())
+        return JSON.decode(text.strip())
     except ValueError:
         return None

@@ -10,10 +10,12 @@ continuation (`continuation.py`) lines them up.
 
 Out of the reply (`tool_reader.py`): `ToolReader` takes the text as it streams, passes on the content before the first
 call, and yields each call once its block closes (Hermes `<tool_call>` blocks; for Llama-3-style
-templates also a reply that is one JSON object `{"name", "parameters"}`). The whole reply read in
+templates also a reply that is one JSON object `{"name", "parameters"}`); a block the reply ends
+inside is a call cut short once its name is whole, never content. The whole reply read in
 one go gives the same calls, with the same ids (derived from the request id), so a stream, a JSON
 answer and the session's record of the reply always agree. `required` and a named choice are
-enforced by a grammar (`grammar`); `auto` is read, not forced.
+enforced by a grammar (`grammar`, over `forced_arguments`: open object schemas closed, unbounded
+strings bounded); `auto` is read, not forced.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from server.openai.formats import NamedToolChoice, ToolFields
+from server.openai.formats import JSON, NamedToolChoice, ToolFields
 from server.openai.responses import ResponseRequest
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -146,10 +148,10 @@ def tool_format(template: str | None) -> ToolFormat:
 def canonical_arguments(arguments: str | dict[str, Any]) -> str:
     """Arguments as compact JSON, so a client that re-serialises them still matches the session's record."""
     try:
-        value = json.loads(arguments) if isinstance(arguments, str) else arguments
+        value = JSON.decode(arguments) if isinstance(arguments, str) else arguments
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except ValueError:
         return arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def call_id(request_id: str, index: int) -> str:
@@ -223,22 +225,82 @@ def _loaded(arguments: str) -> Any:
 
 
 # -- forcing calls ---------------------------------------------------------------------------
+MAX_FORCED_STRING = 1024  # characters: a string in a forced call's arguments whose schema sets no bound
+OBJECT_BOUNDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+STRING_BOUNDS = ("maxLength", "pattern", "format", "enum", "const")
+SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def forced_arguments(schema: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters as a forced call holds them: every object schema that says nothing of
+    `additionalProperties` is closed (only its properties, as OpenAI's strict mode reads a schema), and every
+    string that sets no bound of its own (`maxLength`, `pattern`, `format`, `enum`, `const`) gets
+    `maxLength: MAX_FORCED_STRING`. A grammar otherwise lets a model add keys, or grow a string, until max_tokens
+    (LangChain's pydantic tools say neither). A copy: the request's tools are left as they are."""
+    return _forced(schema)
+
+
+def _forced(node: Any, in_all_of: bool = False) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out[key] = [_forced(item) for item in node[key]]
+    if isinstance(node.get("allOf"), list):  # its members are one object together: each closed alone would clash
+        out["allOf"] = [_forced(item, in_all_of=True) for item in node["allOf"]]
+    for key in SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {name: _forced(item) for name, item in node[key].items()}
+    for key in ("items", "additionalProperties", "additionalItems", "contains"):
+        if isinstance(node.get(key), dict):
+            out[key] = _forced(node[key])
+    kinds = node.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    is_object = "object" in kinds or (not kinds and "properties" in node)
+    if is_object and not in_all_of and not any(key in node for key in OBJECT_BOUNDS):
+        properties = dict(out.get("properties") or {})
+        for name in node.get("required") or []:  # a required key the schema does not describe: any value
+            if isinstance(name, str):
+                properties.setdefault(name, {})
+        out["properties"], out["additionalProperties"] = properties, False
+    if "string" in kinds and not any(key in node for key in STRING_BOUNDS):
+        out["maxLength"] = MAX_FORCED_STRING
+    return out
+
+
+def forced_specs(tools: ToolUse) -> list[ToolSpec]:
+    """The functions a forced call may be to (the named one, or all)."""
+    return [s for s in tools.specs if tools.choice != "function" or s.name == tools.function]
+
+
+def call_opening(name: str, style: str) -> str:
+    """A forced call's text up to its arguments, compact (as the grammar writes it)."""
+    key = "parameters" if style == "llama3_json" else "arguments"
+    return f'{{"name":{json.dumps(name)},"{key}":'
+
+
+def call_start(name: str, style: str) -> str:
+    """A forced call's first text, its tag included (what the grammar forces once the function is chosen)."""
+    return (CALL_OPEN + "\n" if style == "hermes" else "") + call_opening(name, style)
+
+
 def grammar(tools: ToolUse, style: str) -> str:
     """A Lark grammar (llguidance's, JSON schemas embedded) for `required` or a named choice: only calls, each
-    to a declared function with arguments valid under its schema, one or (with parallel_tool_calls) more."""
-    specs = [s for s in tools.specs if tools.choice != "function" or s.name == tools.function]
-    key = "parameters" if style == "llama3_json" else "arguments"
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": spec.name}, key: spec.parameters or {"type": "object"}},
-            "required": ["name", key],
-            "additionalProperties": False,
+    to a declared function with arguments valid under its schema (`forced_arguments`), one or (with
+    parallel_tool_calls) more. Each call's opening is literal text up to its arguments (`{"name":"f",
+    "arguments":`): the name comes first, as the prompt asks, so a call cut short still says whose it is."""
+    rules, names = [], []
+    for index, spec in enumerate(forced_specs(tools)):
+        schema = {
+            **forced_arguments(spec.parameters or {"type": "object"}),
+            "x-guidance": {"whitespace_flexible": False},
         }
-        for spec in specs
-    ]
-    schema = {"anyOf": options, "x-guidance": {"whitespace_flexible": False}}
-    body = f"body: %json {json.dumps(schema)}"
+        opening = json.dumps(call_opening(spec.name, style))
+        rules.append(f'fn{index}: {opening} args{index} "}}"\nargs{index}: %json {json.dumps(schema)}')
+        names.append(f"fn{index}")
+    body = "body: " + " | ".join(names) + "\n" + "\n".join(rules)
     many = tools.parallel and tools.choice != "function"
     if style == "llama3_json":
         more = ' (";" body)*' if many else ""

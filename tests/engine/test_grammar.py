@@ -119,3 +119,35 @@ def test_a_mask_lands_on_its_own_row_only():
     assert logits[2, 3] == FORBIDDEN
     assert logits[0, 34] == FORBIDDEN
     assert int((logits != 0).sum()) == 2  # rows 1 and 3 (unconstrained) and every allowed token untouched
+
+
+MANY_OPTIONAL = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}
+
+
+def test_a_schema_past_the_parsers_limits_is_refused_when_compiled(engine):
+    """1,000 optional properties compile, then the parser's row overflows right after the forced `{`: the walk
+    of the forced start at compile time finds it, and says so without the grammar in the message."""
+    with pytest.raises(GrammarError) as refused:
+        engine.grammars.compile(engine.grammars.json_schema(MANY_OPTIONAL))
+    assert "too many alternatives" in refused.value.message
+    assert "p999" not in refused.value.message
+    assert len(refused.value.message) < 400
+    fine = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(50)}}
+    engine.grammars.compile(engine.grammars.json_schema(fine))
+
+
+async def test_a_grammar_failing_mid_reply_logs_its_reason_not_the_grammar(engine, tiny, caplog):
+    """Past the forced start a model's choice can still trip the limits (null, or the 1,000-property object): that
+    request fails alone, and no log line carries the grammar (a megabyte each, before)."""
+    grammar = engine.grammars.json_schema({"anyOf": [{"type": "null"}, MANY_OPTIONAL]})
+    failed = []
+    for seed in range(8):
+        constraint = await asyncio.to_thread(engine.grammars.compile, grammar)
+        result = await run(engine, words(tiny, "Describe"), rid=f"big{seed}", temperature=1.0, seed=seed,
+                           max_tokens=20, constraint=constraint)  # fmt: skip
+        failed += [result] if result.error is not None else []
+    assert failed, "no seed took the object branch"
+    assert {r.error.code for r in failed} == {"internal_error"}
+    logged = [caplog.handler.format(record) for record in caplog.records]
+    assert all("p999" not in line and len(line) < 4000 for line in logged)
+    assert any("too many alternatives" in line for line in logged)

@@ -8,7 +8,7 @@ import jsonschema
 
 from server.sessions.record import SessionKey
 from tests.http.test_responses import RESPONSES, sse
-from tests.http.test_tools import PERSON, WEATHER
+from tests.http.test_tools import MANY_OPTIONAL, PERSON, WEATHER, assert_refused, cut_inside_arguments
 
 FUNCTION = {"type": "function", **WEATHER["function"]}
 
@@ -132,3 +132,49 @@ def test_other_tool_types_are_400s_naming_them(client):
     r = client.post(RESPONSES, json={"model": "tiny", "input": "x", "tools": [{"type": "web_search"}]})
     assert r.status_code == 400
     assert "web_search" in r.json()["error"]["message"]
+
+
+def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_function_call(client):
+    body = {"input": "Weather?", "seed": 5, "tools": [FUNCTION], "tool_choice": "required"}
+    body["parallel_tool_calls"] = False
+    whole = create(client, **body)
+    (call,) = whole["output"]
+    store, tokenizer = client.app.state.host.store, client.app.state.host.engines["tiny"].loaded.tokenizer
+    ids = store.transcript(SessionKey("default", whole["id"], "response"))[-whole["usage"]["output_tokens"] :]
+    num_cut = cut_inside_arguments(tokenizer, ids)
+    cut = create(client, **body, max_output_tokens=num_cut)
+    assert cut["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    (item,) = cut["output"]  # no message item: nothing of the call's markup is text
+    assert (item["type"], item["status"], item["name"]) == ("function_call", "incomplete", "get_weather")
+    assert call["arguments"].startswith(item["arguments"])
+    assert item["arguments"] != call["arguments"]
+    with client.stream(
+        "POST",
+        RESPONSES,
+        json={"model": "tiny", "temperature": 1.0, "stream": True, **body, "max_output_tokens": num_cut},
+    ) as r:
+        events = sse(r)
+    kinds = [kind for kind, _ in events]
+    assert "response.output_text.delta" not in kinds
+    assert kinds[-1] == "response.incomplete"
+    done = [data["item"] for kind, data in events if kind == "response.output_item.done"]
+    assert [(d["type"], d["status"], d["name"], d["arguments"]) for d in done] == [
+        ("function_call", "incomplete", "get_weather", item["arguments"])
+    ]
+    (final,) = events[-1][1]["response"]["output"]
+    assert (final["status"], final["arguments"]) == ("incomplete", item["arguments"])
+
+
+def test_a_text_format_the_grammar_cannot_hold_is_a_400_and_nothing_is_stored(client):
+    store = client.app.state.host.store
+    before = list(store.session_keys("response"))
+    for schema, said in ((MANY_OPTIONAL, "too many alternatives"), ({"$ref": "#"}, "no finite document")):
+        fmt = {"format": {"type": "json_schema", "name": "doc", "schema": schema}}
+        r = client.post(RESPONSES, json={"model": "tiny", "input": "Hi", "text": fmt, "session_id": "refused-text"})
+        assert_refused(r, "text.format", said)
+        tool = {"type": "function", "name": "big", "parameters": schema}
+        r = client.post(RESPONSES, json={"model": "tiny", "input": "Hi", "tools": [tool], "tool_choice": "required"})
+        assert_refused(r, "tools", said)
+    assert list(store.session_keys("response")) == before
+    assert store.view(SessionKey("default", "refused-text")) is None

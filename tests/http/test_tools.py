@@ -3,6 +3,7 @@ streamed as OpenAI's deltas, and a tool round trip on a session that continues t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -10,6 +11,7 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
+from server.anthropic.answers import tool_input
 from server.app import create_app
 from server.openai.schemas import ChatCompletionRequest
 from server.serving import continuation
@@ -230,3 +232,130 @@ def test_a_native_tool_template_round_trip_is_token_exact(tiny_spec):
         wait_ready(native)
         _first, second, transcript = round_trip(native, "native", [WEATHER])
         assert_continued(native, "native", second, transcript)
+
+
+def cut_inside_arguments(tokenizer, reply_ids: list[int]) -> int:
+    """How many of a forced call's tokens end it inside its arguments, after a member that is whole: found in the
+    reply's own tokens, so the cut lands there whatever the tokenizer."""
+    for k in range(1, len(reply_ids)):
+        text = tokenizer.decode(reply_ids[:k])
+        if '"arguments":' not in text:
+            continue
+        arguments = text.split('"arguments":', 1)[1]
+        with contextlib.suppress(ValueError):
+            json.loads(arguments)
+            continue  # whole: past the cut wanted
+        if tool_input(arguments):
+            return k
+    raise AssertionError(f"no cut inside the arguments of {tokenizer.decode(reply_ids)!r}")
+
+
+def reply_ids(client, key: SessionKey, num_tokens: int) -> list[int]:
+    return client.app.state.host.store.view(key).transcript_ids[-num_tokens:]
+
+
+def streamed_calls(client, body: dict) -> tuple[str, list[tuple[str, str]], str | None]:
+    """A chat stream's content, its calls assembled from their deltas (name, arguments), and its finish reason."""
+    content, calls, finish = "", {}, None
+    with client.stream("POST", CHAT, json={"model": "tiny", "temperature": 1.0, "stream": True, **body}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            finish = choice["finish_reason"] or finish
+            content += choice["delta"].get("content") or ""
+            for part in choice["delta"].get("tool_calls", []):
+                call = calls.setdefault(part["index"], ["", ""])
+                call[0] += part.get("function", {}).get("name", "")
+                call[1] += part.get("function", {}).get("arguments", "")
+    return content, [tuple(c) for c in calls.values()], finish
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_call_cut_short_never_markup(client):
+    """Cut inside its arguments: the call's name and its arguments so far, finish_reason length, no content; the
+    stream says the same; the session records that answer; echoed back with a result, it continues exactly."""
+    body = {"messages": user("Weather?"), "seed": 4, "tools": [WEATHER], "tool_choice": "required"}
+    body["parallel_tool_calls"] = False
+    whole = ask(client, **body, session_id="cut-whole")
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    tokenizer = client.app.state.host.engines["tiny"].loaded.tokenizer
+    ids = reply_ids(client, SessionKey("default", "cut-whole"), whole["usage"]["completion_tokens"])
+    num_cut = cut_inside_arguments(tokenizer, ids)
+    cut = ask(client, **body, max_tokens=num_cut, session_id="cut")
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] is None  # no `<tool_call>` markup, nor anything else
+    (partial,) = choice["message"]["tool_calls"]
+    arguments = partial["function"]["arguments"]
+    assert partial["function"]["name"] == "get_weather"
+    assert call["function"]["arguments"].startswith(arguments)  # the arguments so far...
+    assert arguments != call["function"]["arguments"]  # ...cut short
+    content, calls, finish = streamed_calls(client, {**body, "max_tokens": num_cut})
+    assert (content, calls, finish) == ("", [("get_weather", arguments)], "length")
+    session = client.app.state.host.store.view(SessionKey("default", "cut"))
+    assert session.messages[-1] == {"role": "assistant", "content": "", "tool_calls": [partial]}
+    results = [{"role": "tool", "tool_call_id": partial["id"], "content": "cut short: ask again"}]
+    echo = [*body["messages"], choice["message"], *results]
+    second = ask(client, messages=echo, tools=[WEATHER], session_id="cut", max_tokens=4, seed=1)
+    assert_continued(client, "cut", second, session.transcript_ids)
+
+
+def test_a_forced_call_cut_before_its_name_is_whole_is_nothing(client):
+    body = {"messages": user("Weather?"), "seed": 4, "tools": [WEATHER, ADD], "tool_choice": "required"}
+    whole = ask(client, **body, session_id="cut-name")
+    ids = reply_ids(client, SessionKey("default", "cut-name"), whole["usage"]["completion_tokens"])
+    tokenizer = client.app.state.host.engines["tiny"].loaded.tokenizer
+    num_cut = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith('"name":"'))
+    choice = ask(client, **body, max_tokens=num_cut + 1)["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] == ""
+    assert "tool_calls" not in choice["message"]
+    assert streamed_calls(client, {**body, "max_tokens": num_cut + 1}) == ("", [], "length")
+
+
+MANY_OPTIONAL = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}
+NO_FINITE_DOCUMENT = [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"type": "object", "properties": {"self": {"$ref": "#"}}, "required": ["self"]},
+]
+
+
+def assert_refused(r, param: str, said: str) -> None:
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_parameter", param)
+    assert said in error["message"]
+    assert len(error["message"]) < 600
+    assert "p999" not in error["message"]  # the reason, never the grammar
+
+
+@pytest.mark.parametrize("case", range(1 + len(NO_FINITE_DOCUMENT)))
+def test_a_schema_the_grammar_cannot_hold_is_a_400_before_anything_runs(client, case):
+    store, sid = client.app.state.host.store, f"refused-format-{case}"
+    schema = [MANY_OPTIONAL, *NO_FINITE_DOCUMENT][case]
+    fmt = {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}
+    body = {"model": "tiny", "messages": user("Hi"), "max_tokens": 8, "session_id": sid}
+    said = "too many alternatives" if schema is MANY_OPTIONAL else "no finite document"
+    assert_refused(client.post(CHAT, json={**body, "response_format": fmt}), "response_format", said)
+    tool = {"type": "function", "function": {"name": "big", "parameters": schema}}
+    r = client.post(CHAT, json={**body, "tools": [WEATHER, tool], "tool_choice": "required"})
+    assert_refused(r, "tools", "function 'big'")
+    assert store.view(SessionKey("default", sid)) is None  # nothing made, nothing recorded
+
+
+def test_a_forced_call_to_a_tool_with_defs_resolves_its_refs(client):
+    """Pydantic writes a nested model as `$defs` and a `#/$defs/...` reference: each function's arguments are a
+    schema root of their own in the call grammar, so the reference resolves (a 400 'does not exist' before)."""
+    parameters = {
+        "$defs": {
+            "Place": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+        },
+        "type": "object",
+        "properties": {"place": {"$ref": "#/$defs/Place"}},
+        "required": ["place"],
+    }
+    tool = {"type": "function", "function": {"name": "visit", "parameters": parameters}}
+    body = ask(client, messages=user("Where?"), seed=1, tools=[tool], tool_choice="required", parallel_tool_calls=False)
+    (call,) = body["choices"][0]["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), parameters)

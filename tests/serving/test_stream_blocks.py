@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import jiter
+
+from server.anthropic.answers import tool_input
 from server.serving.message_run import _BlockStream
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
@@ -33,3 +36,24 @@ def test_text_then_a_call_streams_both_in_order():
     events = blocks.text("Let me look.") + blocks.calls([CALL]) + blocks.close()
     assert [k for k, _ in kinds(events)].count("content_block_start") == 2
     assert kinds(events)[0] == ("content_block_start", "text")
+
+
+DOCUMENT = (
+    '{"city": "Paris", "days": 12, "ok": true, "none": null, "f": -1.5e3, "list": [1, "a", {"b": [false]}],'
+    ' "nested": {"x": {"y": "z\\"q\\u00e9"}}, "empty": {}, "no": []}'
+)
+
+
+def test_a_cut_calls_input_is_what_anthropics_client_reads_of_it():
+    """Every prefix of a document: the input a tool_use block cut short gets is what the `anthropic` SDK makes of
+    the same text streamed (jiter's partial mode), so a streamed and a JSON answer agree."""
+    for end in range(1, len(DOCUMENT) + 1):
+        text = DOCUMENT[:end]
+        assert tool_input(text) == jiter.from_json(text.encode(), partial_mode=True), text
+
+
+def test_a_cut_call_streams_its_input_so_far():
+    cut = {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": '{"a":1,"b":"unfinis'}}
+    events = [json.loads(sse.data) for sse in _BlockStream().calls([cut])]
+    assert events[0]["content_block"] == {"type": "tool_use", "id": "call_2", "name": "f", "input": {}}
+    assert json.loads(events[1]["delta"]["partial_json"]) == {"a": 1} == tool_input(cut["function"]["arguments"])

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
+from server.anthropic.answers import tool_input
 from server.serving.tool_reader import ToolReader, read_reply
-from server.serving.tools import ToolSpec, ToolUse, chat_template, model_tool_format, tool_format
+from server.serving.tools import (
+    MAX_FORCED_STRING,
+    ToolSpec,
+    ToolUse,
+    chat_template,
+    forced_arguments,
+    model_tool_format,
+    tool_format,
+)
 
 TOOLS = ToolUse((ToolSpec("get_weather", None, {"type": "object"}), ToolSpec("add", None, {"type": "object"})))
 REPLY = (
@@ -82,3 +92,92 @@ def test_a_tokenizer_with_named_templates_uses_the_one_transformers_would():
     assert chat_template(named, TOOLS) == "{{ tools }} <tool_call>"
     assert model_tool_format(named, TOOLS).native is True
     assert model_tool_format(named, None).native is False
+
+
+FORCED = ToolUse(TOOLS.specs, choice="required")
+WHOLE = '<tool_call>{"name":"add","arguments":{"a":1}}</tool_call>'
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize(
+    ("text", "tools", "style", "content", "calls", "is_cut"),
+    [  # a reply max_tokens cut inside a call block: the call so far when its name is whole, else nothing
+        ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Par', FORCED, "hermes", "",
+         [("get_weather", '{"city":"Par')], True),
+        ('Let me check. <tool_call>\n{"name": "add", "arguments": {"a": 1', TOOLS, "hermes", "Let me check. ",
+         [("add", '{"a": 1')], True),
+        ('<tool_call>\n{"name":"add",', FORCED, "hermes", "", [("add", "")], True),
+        ('Let me check. <tool_call>\n{"name": "get_wea', TOOLS, "hermes", "Let me check. ", [], False),
+        ('a <tool_call>{bad}</tool_call> b <tool_call>{"name": "rm", "arguments": {', TOOLS, "hermes",
+         "a <tool_call>{bad}</tool_call> b ", [], False),
+        ("<tool_", FORCED, "hermes", "", [], False),
+        ('<tool_call>{"name":"add","arguments":{"a":1}}\n', TOOLS, "hermes", "", [("add", '{"a":1}')], False),
+        (WHOLE + '\n<tool_call>{"name":"get_weather","arguments":{"ci', FORCED, "hermes", "",
+         [("add", '{"a":1}'), ("get_weather", '{"ci')], True),
+        ('{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"b": ', TOOLS, "llama3_json", "",
+         [("add", '{"a":1}'), ("add", '{"b": ')], True),
+        ('{"name":"ad', FORCED, "llama3_json", "", [], False),
+    ],
+)  # fmt: skip
+def test_a_block_the_reply_ended_inside_is_a_call_cut_short_or_nothing(
+    size, text, tools, style, content, calls, is_cut
+):
+    streamed_content, streamed_calls, message = streamed(text, size, tools, style)
+    assert streamed_content == content  # never the block's markup
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed_calls] == calls
+    reader = ToolReader(tools, style, "req")
+    assert reader.read_all(text) == message  # whole or streamed: one answer, the one the session records
+    assert reader.is_cut is is_cut
+
+
+def test_without_parallel_calls_a_cut_second_call_is_dropped():
+    single = ToolUse(TOOLS.specs, choice="required", parallel=False)
+    reader = ToolReader(single, "hermes", "r")
+    message = reader.read_all(WHOLE + '\n<tool_call>{"name":"add","arguments":{"a":')
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"a":1}']
+    assert not reader.is_cut
+
+
+def test_a_forced_calls_schema_is_closed_and_its_strings_bounded_where_it_says_nothing():
+    item = {"type": "object", "properties": {"sku": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "items": {"type": "array", "items": {"$ref": "#/$defs/Item"}},
+            "extra": {"type": "object", "additionalProperties": True},
+            "either": {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "null"}]},
+            "both": {"allOf": [{"properties": {"x": {"type": "integer"}}}, {"properties": {"y": {"type": "integer"}}}]},
+        },
+        "required": ["name", "undeclared"],
+        "$defs": {"Item": item},
+    }
+    forced = forced_arguments(schema)
+    assert forced["additionalProperties"] is False
+    assert forced["properties"]["undeclared"] == {}  # required but not described: any value, not unsatisfiable
+    assert forced["properties"]["name"]["maxLength"] == MAX_FORCED_STRING
+    assert "maxLength" not in forced["properties"]["code"]  # a pattern bounds it as it wants
+    assert forced["$defs"]["Item"]["additionalProperties"] is False  # nested and referenced schemas too
+    assert forced["$defs"]["Item"]["properties"]["sku"]["maxLength"] == MAX_FORCED_STRING
+    assert forced["properties"]["extra"]["additionalProperties"] is True  # what a schema says is kept
+    assert forced["properties"]["either"]["anyOf"][0]["additionalProperties"] is False
+    assert all("additionalProperties" not in part for part in forced["properties"]["both"]["allOf"])
+    assert "additionalProperties" not in schema  # the request's own schema is left as it is
+
+
+def test_numbers_past_a_float_and_non_json_constants_never_break_an_answer():
+    """A float past its range would become inf, which no JSON answer can hold (a 500 writing it): such a number
+    stays exact, as an int, up to the digits an answer can write; NaN is no JSON and 1e999999999 no number to
+    hold, so a block holding one is no call."""
+    whole = read_reply('<tool_call>{"name":"add","arguments":{"a":1e999,"b":2.5}}</tool_call>', TOOLS, "hermes", "r")
+    arguments = whole["tool_calls"][0]["function"]["arguments"]
+    assert json.loads(arguments, parse_constant=float) == {"a": 10**999, "b": 2.5}
+    assert "Infinity" not in arguments
+    assert tool_input(arguments) == {"a": 10**999, "b": 2.5}
+    cut = read_reply('<tool_call>{"name":"add","arguments":{"a":-2E+999,"b":', FORCED, "hermes", "r")
+    assert tool_input(cut["tool_calls"][0]["function"]["arguments"]) == {"a": -2 * 10**999}
+    for number in ("NaN", "1e999999999"):  # no JSON; a number of a billion digits (its int would never finish)
+        text = f'<tool_call>{{"name":"add","arguments":{{"a":{number}}}}}</tool_call>'
+        assert read_reply(text, TOOLS, "hermes", "r") == {"role": "assistant", "content": text}
+        assert tool_input(f'{{"b":1,"a":{number}}}') == {}  # text that is no JSON gives no input
