@@ -15,6 +15,7 @@ from server.kv.block_store import KNOWN_LIMIT, BlockStore
 from server.kv.redis_blocks import RedisBlocks
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel, ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
+from server.sessions.health import SharedStoreHealth
 from server.sessions.journal import Journal
 from server.sessions.leases import RedisLeases
 from server.sessions.shared import SharedRecords
@@ -48,12 +49,18 @@ class ModelHost:
         leases, shared = None, None
         self.redis_blocks: RedisBlocks | None = None
         if settings.shared_url:  # replicas: turns leased and records committed in Redis
-            leases = RedisLeases(settings.shared_url, settings.shared_lease_s)
-            shared = SharedRecords(settings.shared_url)
+            health = SharedStoreHealth()  # one view of whether Redis answers, from leases and records alike
+            leases = RedisLeases(settings.shared_url, settings.shared_lease_s, health=health)
+            shared = SharedRecords(settings.shared_url, health=health)
             self.redis_blocks = RedisBlocks(settings.shared_url)
             self.tiers.shared = BlockStore(self.redis_blocks, "shared", MAX_SHARED_JOBS, KNOWN_LIMIT)
         self.store = SessionStore(
-            settings.session_ttl_s, journal=journal, forgetters=(self.tiers,), leases=leases, shared=shared
+            settings.session_ttl_s,
+            journal=journal,
+            forgetters=(self.tiers,),
+            leases=leases,
+            shared=shared,
+            max_sessions_per_tenant=settings.max_sessions_per_tenant,
         )
         num_sessions = self.store.restore()
         num_snapshots = self.tiers.scan(self.store.session_keys())  # K/V of sessions no record knows goes
@@ -131,6 +138,7 @@ class ModelHost:
                 state.status, state.detail = "failed", str(exc)
                 log.error("%s", exc)
                 continue
+            loaded.guards_control_text = not self.settings.control_tokens_in_messages
             engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded))
             engine.start()
             self.engines[state.spec.id] = engine

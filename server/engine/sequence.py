@@ -108,7 +108,9 @@ class Sequence:
         return num_generated >= self.request.params.max_tokens or len(self.token_ids) >= self._max_context
 
     def usage(self) -> Usage:
-        return Usage(self.num_prompt, len(self.token_ids) - self.num_prompt, self.num_cached)
+        # With use_cache (cache_prompt and prefix caching on) every prompt token computed here is published
+        written = self.num_prompt - self.num_cached if self.use_cache else 0
+        return Usage(self.num_prompt, len(self.token_ids) - self.num_prompt, self.num_cached, written)
 
     def completed_turn(self, finish_reason: str) -> CompletedTurn:
         text, reply = "".join(self.text_parts), self.request.reply
@@ -118,7 +120,7 @@ class Sequence:
             finish_reason=finish_reason,
             usage=self.usage(),
             messages=self.request.messages,
-            is_base=self.request.is_prefill_only,
+            is_prefill_only=self.request.is_prefill_only,
             reply=reply(text) if reply is not None and not self.request.is_prefill_only else None,
             tools=self.request.tools,
         )

@@ -14,7 +14,6 @@ rest `input_tokens`. Its `ttl` becomes the TTL of a session the request creates.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from typing import Any
@@ -33,7 +32,7 @@ from server.serving.prompts import check_text_size, output_budget
 from server.serving.tool_reader import Reading
 from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, canonical_arguments
 from server.sessions.errors import SessionBusy
-from server.sessions.record import SessionKey
+from server.sessions.record import Session, SessionKey
 
 
 class Messages:
@@ -54,8 +53,6 @@ class Messages:
         loaded = engine.loaded
         key = session_key(req, http, tenant)
         ttl = req.cache_ttl()
-        if key is not None and ttl is not None and not await serving.off_loop(self.store.is_live, key):
-            await serving.off_loop(self._create, key, engine.model_id, ttl)
         view = await serving.session_view(key, engine)
         messages, ends = chat_of(req)
         check_text_size(loaded, [m["content"] for m in messages], "messages")
@@ -69,17 +66,18 @@ class Messages:
         ids, boundary = await asyncio.to_thread(prompt)
         fmt = req.output_config.format if req.output_config is not None else None
         schema = fmt.schema_ if fmt is not None else None
-        constraint = await structured.constraint(engine, schema, tools, reading.style)
-        budget = (
-            0
-            if req.max_tokens == 0
-            else output_budget(loaded, len(ids), req.max_tokens, s.default_max_tokens, s.max_tokens_limit)
-        )
+        constraint = await structured.constraint(engine, schema, tools, reading.style, "output_config.format")
+        budget = output_budget(loaded, len(ids), req.max_tokens, s.default_max_tokens, s.max_tokens_limit)
         params = SamplingParams(
             max_tokens=budget, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or 0,
             stop=list(req.stop_sequences or []),
         )  # fmt: skip
         session = serving.session_for(key, len(ids) + budget, engine)
+        # Made only now, every check passed (the store checks the session quota again, under its lock); a
+        # request refused from here on takes it away again, so no empty leftover of it stays.
+        made = None
+        if session is not None and not session.is_bucket and ttl is not None:
+            made = await serving.off_loop(self._create, session, engine.model_id, ttl)
         gen = serving.request(
             reading=reading,
             prompt_ids=ids,
@@ -91,7 +89,12 @@ class Messages:
             constraint=constraint,
         )
         started = time.monotonic()
-        handle, admitted = await serving.start(engine, gen, http)
+        try:
+            handle, admitted = await serving.start(engine, gen, http)
+        except BaseException:
+            if made is not None:
+                self.store.discard_unused(made)
+            raise
         reader = reading.reader()
         run = MessageRun(reading.request_id, engine.model_id, reader, min(boundary, len(ids)), admitted, ttl)
         headers = answer_headers(admitted, session)
@@ -100,9 +103,12 @@ class Messages:
             return event_stream(run.events(handle, events), headers)
         return await run.collect(handle, events, http, headers)
 
-    def _create(self, key: SessionKey, model_id: str, ttl_s: float) -> None:
-        with contextlib.suppress(SessionBusy):  # another request made it meanwhile: it is there, as wanted
-            self.store.create(key, model_id, ttl_s)
+    def _create(self, key: SessionKey, model_id: str, ttl_s: float) -> Session | None:
+        """The session `key`, made with the breakpoint's TTL; None when it exists already (it keeps its own)."""
+        try:
+            return self.store.create(key, model_id, ttl_s)
+        except SessionBusy:  # there already (another request may have made it meanwhile): as wanted
+            return None
 
 
 def chat_of(req: Conversation) -> tuple[list[dict[str, Any]], list[int]]:

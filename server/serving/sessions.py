@@ -24,7 +24,7 @@ from server.serving.prompts import check_text_size
 from server.serving.tool_reader import Reading
 from server.sessions.errors import SessionError
 from server.sessions.index import Reach
-from server.sessions.record import SessionInfo, SessionKey
+from server.sessions.record import SessionInfo, SessionKey, Turn
 
 MAX_LIST = 1000
 T = TypeVar("T")
@@ -70,7 +70,9 @@ class Sessions:
             message = f"the system prompt has {len(ids)} tokens; this model's context is {loaded.max_context}"
             raise ApiError(400, "context_length_exceeded", message, "system")
         self.serving.check_quota(key, len(ids), engine)  # the system prompt's K/V counts toward the tenant's
-        await self.serving.off_loop(self.store.create, key, engine.model_id, body.ttl_s)
+        # The base is recorded with the session: a prefill-only request makes no turn and changes no record.
+        base = {"transcript_ids": list(ids), "messages": messages, "turns": [Turn(len(ids), len(messages))]}
+        await self.serving.off_loop(self.store.create, key, engine.model_id, body.ttl_s, **base)
         try:
             await self._prefill(engine, key, ids, messages)
         except BaseException:
@@ -79,7 +81,7 @@ class Sessions:
         return await self.describe(key)
 
     async def _prefill(self, engine: Engine, key: SessionKey, ids: list[int], messages: list[dict[str, Any]]) -> None:
-        """Compute the system prompt's K/V now: a request that generates nothing and sets the session's base."""
+        """Compute the system prompt's K/V now (the session's base): a request that generates nothing."""
         gen = self.serving.request(
             reading=Reading(None, "", f"prefill-{uuid.uuid4().hex}"),
             prompt_ids=ids,
@@ -205,7 +207,7 @@ def _refusing(change: Callable[[], T], key: SessionKey) -> T:
     except SessionError as exc:
         if exc.code == "session_not_found":
             raise not_found(key.name) from exc
-        raise ApiError.of(exc.code, exc.message, "turn") from exc
+        raise ApiError.of(exc.code, exc.message, "turn" if exc.code == "invalid_parameter" else None) from exc
 
 
 def _tier(num_tokens: int, exclusive: int, shared: int) -> dict[str, Any]:

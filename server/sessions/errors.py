@@ -29,6 +29,12 @@ class InvalidTurn(SessionError):
     code = "invalid_parameter"
 
 
+class QuotaExceeded(SessionError):
+    """A new session would take its tenant past `max_sessions_per_tenant` (checked under the store's lock)."""
+
+    code = "quota_exceeded"
+
+
 class StateUnavailable(SessionError):
     """The journal could not record a change: it was not applied either (memory and disk never disagree)."""
 

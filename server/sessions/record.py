@@ -35,6 +35,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens not fed to the model in this request
+    cache_write_tokens: int = 0  # prompt tokens this request computed and kept in the cache (0: cache_prompt off)
 
 
 @dataclass(slots=True)
@@ -52,7 +53,7 @@ class CompletedTurn:
     finish_reason: str
     usage: Usage
     messages: list[dict[str, Any]] | None  # the request's chat messages (None: a completion, not chat)
-    is_base: bool = False  # a prefill-only request: sets the session's starting point, not a turn
+    is_prefill_only: bool = False  # generated nothing (max_tokens 0): no turn, the record stays as it was
     reply: dict[str, Any] | None = None  # chat: the reply as answered (content, tool calls); None: its text
     tools: list[dict[str, Any]] | None = None  # chat: the tool definitions the prompt rendered
 
@@ -73,21 +74,34 @@ class Session:
     last_use_wall: float = 0.0  # unix time, for reporting and restarts
     is_in_use: bool = False
     rev: int = 0  # how many times the record was written: the shared store commits a change only on top of this
+    # Made on first use by the request holding it, which has not ended yet: if that request fails (or is cancelled),
+    # the session goes with it (nothing is left behind, as a failed turn leaves a session as it was)
+    is_claim: bool = False
 
     @property
     def num_turns(self) -> int:
         return len(self.turns) - 1
 
     def apply(self, turn: CompletedTurn) -> None:
+        """The transcript becomes the turn's prompt and reply, a turn after the ones its prompt still holds.
+
+        A prompt that extends the transcript holds every turn. One that does not (an edited history, a full
+        re-render, a retried turn) holds only the turns that end where its tokens and its messages still
+        agree with the transcript's: later marks would name points of a conversation no longer held, so
+        they go, and a fork or rewind to any turn gives exactly the conversation at that turn.
+        """
+        prompt_ids = turn.transcript_ids[: turn.usage.prompt_tokens]
+        num_held_ids = common_prefix_len(self.transcript_ids, prompt_ids)
+        num_held_messages = _num_same(self.messages, turn.messages or [])
+        held = [t for t in self.turns if t.end <= num_held_ids and t.num_messages <= num_held_messages]
         self.transcript_ids = list(turn.transcript_ids)
         if turn.messages is None or self.key.is_bucket:  # a bucket is a cache key: it keeps no prompt text
             self.messages = []
         else:
-            reply = [] if turn.is_base else [turn.reply or {"role": "assistant", "content": turn.text}]
-            self.messages = [*turn.messages, *reply]
+            self.messages = [*turn.messages, turn.reply or {"role": "assistant", "content": turn.text}]
         self.tools = turn.tools
-        mark = Turn(len(self.transcript_ids), len(self.messages))
-        self.turns = [mark] if turn.is_base else [*self.turns, mark]
+        # Marks grow turn by turn: when the base (the system prompt prefilled at creation) is not held, none is.
+        self.turns = [*(held or [Turn(0, 0)]), Turn(len(self.transcript_ids), len(self.messages))]
 
     def with_turn(
         self, turn: CompletedTurn, hook: Callable[[dict[str, Any], CompletedTurn], None] | None, now: float
@@ -208,6 +222,16 @@ class SessionInfo:
             expires_at=session.last_use_wall + session.ttl_s,
             parent=session.parent,
         )
+
+
+def _num_same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
+    """How many leading messages a and b share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from server.sessions.errors import (
+    QuotaExceeded,
     SessionBusy,
+    SessionError,
     SessionModelMismatch,
     SessionNotFound,
     StateUnavailable,
@@ -40,8 +42,11 @@ class SessionStore(StoreSync):
         wall_clock: Callable[[], float] = time.time,
         leases: Leases | None = None,
         shared: SharedRecords | None = None,
+        max_sessions_per_tenant: int | None = None,
     ) -> None:
         self.ttl_s = ttl_s
+        # Checked under the lock where a session is made, so requests at once cannot overshoot it (None: no limit).
+        self.max_sessions_per_tenant = max_sessions_per_tenant
         self.journal = journal or Journal(None)
         self.leases = LeaseBook(leases or LocalLeases())  # across replicas: whose turn it is on a session
         self.shared = shared  # across replicas: the records every replica reads and commits to
@@ -70,12 +75,14 @@ class SessionStore(StoreSync):
     def create(self, key: SessionKey, model_id: str, ttl_s: float | None = None, **fields: Any) -> Session:
         """A new, idle session (POST /v1/sessions, forks, responses), journaled before it exists.
 
-        Raises SessionBusy when the id is taken, StateUnavailable when the journal refuses it.
+        Raises SessionBusy when the id is taken, QuotaExceeded when the tenant has no room for another,
+        StateUnavailable when the journal refuses it.
         """
         with self._lock:
             self._expire_locked()
             if key in self._sessions:
                 raise SessionBusy(f"session {key.name!r} already exists")
+            self._check_room(key)
             session = self._new(key, model_id, ttl_s)
             for name, value in fields.items():
                 setattr(session, name, value)
@@ -104,15 +111,20 @@ class SessionStore(StoreSync):
     # -- a request's turn -----------------------------------------------------------
     def acquire(self, key: SessionKey, model_id: str, is_chat: bool = False) -> Session | None:
         """Mark the session in use, creating (and journaling) it on first use. Buckets never raise: a busy bucket
-        gives None. A session never switches between a chat and a completion transcript (SessionModeMismatch)."""
+        gives None, and so does a new one past the tenant's limit; a new session past it raises QuotaExceeded.
+        A session never switches between a chat and a completion transcript (SessionModeMismatch)."""
         self._refresh(key)
         with self._lock:
             self._expire_locked()
             session = self._sessions.get(key)
             if session is None:
+                if key.is_bucket and not self._has_room(key):
+                    return None  # a bucket is a hint: the request runs without one
+                self._check_room(key)
                 session = self._new(key, model_id, None)
                 if not key.is_bucket:
                     self._save(key, session.to_record(), expected_rev=0)
+                    session.is_claim = True
                 self._insert(session)
             session.check_mode(is_chat)
             if (session.model_id != model_id or session.is_in_use) and key.is_bucket:
@@ -130,6 +142,7 @@ class SessionStore(StoreSync):
             except Exception:
                 with self._lock:
                     session.is_in_use = False
+                self._drop_unclaimed(session)
                 raise
         with self._lock:
             session.last_use, session.last_use_wall = self._clock(), self._wall()
@@ -138,8 +151,12 @@ class SessionStore(StoreSync):
 
     def release(self, session: Session, turn: CompletedTurn | None = None) -> None:
         """Give the session back; a completed `turn` is journaled, then applied, before this returns. Raises
-        StateUnavailable (disk full...) with the session as it was before the turn, and released."""
+        StateUnavailable (disk full...) with the session as it was before the turn, and released. A prefill-only
+        request (it generated nothing) made no turn: the record stays as it was."""
         staged = None
+        has_failed = turn is None  # failed or cancelled; a prefill-only request did what it was asked
+        if turn is not None and turn.is_prefill_only:
+            turn = None
         try:
             if turn is not None:
                 staged = self._journal_turn(session, turn)  # on disk before the client hears the turn ended
@@ -156,9 +173,12 @@ class SessionStore(StoreSync):
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
                 if is_live:
                     self._index.touch(session)
-            if staged is None and self.shared is not None and not session.key.is_bucket:
+            if staged is None and self.shared is not None and not session.key.is_bucket and not session.is_claim:
                 self.shared.touch(session.key, session.ttl_s)
             self.leases.give_back(session.key)  # after the turn is journaled
+        if has_failed:
+            self._drop_unclaimed(session)
+        session.is_claim = False
 
     def _journal_turn(self, session: Session, turn: CompletedTurn) -> Session:
         """The session with `turn` applied, written to the journal; raises with nothing changed."""
@@ -189,6 +209,31 @@ class SessionStore(StoreSync):
             self._index.touch(session)
         return session
 
+    def _drop_unclaimed(self, session: Session) -> None:
+        """A session its first request made, when that request failed: it goes, as if never asked for. Not with
+        replicas: another may have read the record meanwhile and be about to run a turn on it."""
+        if not session.is_claim or self.shared is not None:
+            return
+        try:
+            if self.discard_unused(session):
+                log.info("session %s: its first request made no turn; not kept", session.key.name)
+        except SessionError as exc:  # the journal or the shared store refused the delete: an empty session stays
+            log.warning(
+                "session %s: its first request made no turn, and it could not be removed (%s)", session.key.name, exc
+            )
+
+    def discard_unused(self, session: Session) -> bool:
+        """Delete `session` if it is still the live record of its key, idle and empty: one a request made for
+        itself and was then refused, so that no empty leftover of it stays (one another request took, or that
+        holds a turn, stays). Returns whether it was deleted."""
+        with self._lock:
+            live = self._sessions.get(session.key)
+            if live is not session or live.is_in_use or live.transcript_ids or live.num_turns:
+                return False
+            self._delete_locked(session)
+        self._drop_tiers(session.key)
+        return True
+
     def delete(self, key: SessionKey) -> bool:
         """Forget a session everywhere; its journal record goes first (StateUnavailable: nothing forgotten).
         One in use is detached: its request finishes, its state is then dropped."""
@@ -197,14 +242,7 @@ class SessionStore(StoreSync):
             session = self._sessions.get(key)
             if session is None:
                 return False
-            if self.shared is not None and not key.is_bucket:
-                self.shared.delete(key, session.ttl_s)  # every replica's copy is stale from now on
-            if not key.is_bucket:
-                try:
-                    self.journal.delete(key)
-                except OSError as exc:
-                    raise StateUnavailable(f"session {key.name!r} could not be deleted: {exc.strerror}") from exc
-            self._remove(session)
+            self._delete_locked(session)
         self._drop_tiers(key)
         return True
 
@@ -218,6 +256,18 @@ class SessionStore(StoreSync):
             return self._forgotten.take(model_id)
 
     # -- internals (lock held) --------------------------------------------------------
+    def _has_room(self, key: SessionKey) -> bool:
+        """Whether the tenant may have one more of `key`'s family (buckets; or sessions and stored responses)."""
+        if self.max_sessions_per_tenant is None:
+            return True
+        num_same, _ = self._index.usage(key.tenant, key, None)
+        return num_same < self.max_sessions_per_tenant
+
+    def _check_room(self, key: SessionKey) -> None:
+        if not self._has_room(key):
+            limit = self.max_sessions_per_tenant
+            raise QuotaExceeded(f"this tenant already has {limit} sessions (limit {limit}); delete some")
+
     def _save(self, key: SessionKey, record: dict[str, Any], expected_rev: int) -> None:
         """The shared store first (it refuses a change on top of a revision another replica moved on from), then
         the journal. Raises SessionBusy, SharedStoreUnavailable or StateUnavailable, with nothing applied."""
@@ -227,6 +277,18 @@ class SessionStore(StoreSync):
             self.journal.save(key, record)
         except OSError as exc:
             raise StateUnavailable(f"session {key.name!r} could not be saved: {exc.strerror or exc}") from exc
+
+    def _delete_locked(self, session: Session) -> None:
+        """Remove a session from the shared store, the journal (StateUnavailable: nothing forgotten) and memory."""
+        key = session.key
+        if self.shared is not None and not key.is_bucket:
+            self.shared.delete(key, session.ttl_s)  # every replica's copy is stale from now on
+        if not key.is_bucket:
+            try:
+                self.journal.delete(key)
+            except OSError as exc:
+                raise StateUnavailable(f"session {key.name!r} could not be deleted: {exc.strerror}") from exc
+        self._remove(session)
 
     def _insert(self, session: Session) -> None:
         self._sessions[session.key] = session

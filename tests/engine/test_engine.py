@@ -199,11 +199,10 @@ async def test_a_failing_request_fails_alone(engine, tiny, monkeypatch):
     )
     assert bad.error.code == "internal_error"
     assert good.usage.completion_tokens == 5
-    info = engine.store.info(SessionKey("default", "f"))
-    assert info.num_turns == 0
-    assert info.num_transcript_tokens == 0
-    assert not info.is_in_use
+    assert engine.store.info(SessionKey("default", "f")) is None  # its first request failed: no session is left
     assert (await run(engine, prompt, session="f", max_tokens=2)).usage is not None  # the engine keeps serving
+    info = engine.store.info(SessionKey("default", "f"))
+    assert (info.num_turns, info.is_in_use) == (1, False)
 
 
 async def test_a_failure_while_finishing_does_not_stop_the_engine(engine, tiny, monkeypatch):
@@ -214,9 +213,9 @@ async def test_a_failure_while_finishing_does_not_stop_the_engine(engine, tiny, 
     prompt = ids(tiny, "Hello world")
     first = await run(engine, prompt, session="fin", max_tokens=3, ignore_eos=True)
     assert first.error.code == "internal_error"  # the turn could not be recorded: the client hears so
-    info = engine.store.info(SessionKey("default", "fin"))
-    assert info.num_turns == 0
-    assert not info.is_in_use
+    assert engine.store.info(SessionKey("default", "fin")) is None  # its first request failed: none is left
     assert (await settled(engine)).num_blocks_used == 0
     monkeypatch.undo()
     assert (await run(engine, prompt, session="fin", max_tokens=2)).usage is not None
+    info = engine.store.info(SessionKey("default", "fin"))
+    assert (info.num_turns, info.is_in_use) == (1, False)

@@ -140,7 +140,7 @@ def test_chat_session_three_turns_and_edited_history(client, engine, tiny):
     assert 0 < reused < cached[2]  # the edited history falls back to its longest common prefix
     assert r.json()["choices"][0]["message"]["content"] == fresh_text(tiny, edited)
     info = client.get("/v1/sessions/chat3").json()
-    assert info["turns"] == 4
+    assert info["turns"] == 1  # the edit is in turn 1's reply: no earlier turn is still held, this one is turn 1
     assert info["cached_tokens"] > 0
     assert info["cache"]["device"]["bytes"] > 0
 
@@ -176,7 +176,8 @@ def test_prompt_cache_key_bucket_records_turns_without_locking(client):
     r = chat_turn(client, None, messages, prompt_cache_key="bucket")
     assert "X-Session-ID" not in r.headers  # a bucket is not a session
     bucket = client.app.state.host.store.view(SessionKey("default", "bucket", kind="bucket"))
-    assert bucket.num_turns == 2
+    assert bucket.rev == 3  # made, then a turn recorded by each request (the second, a retry, is turn 1 again)
+    assert bucket.num_turns == 1
     assert bucket.messages == []  # both requests used it; it keeps no prompt text
     assert client.get("/v1/sessions/bucket").status_code == 404
 

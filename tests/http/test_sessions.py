@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -82,7 +83,7 @@ def block_files(client) -> list[str]:
     return sorted(p.name for p in (client.state_dir / "kv" / "blocks").rglob("*.safetensors"))
 
 
-def test_delete_and_expiry_remove_transcript_and_snapshots_from_every_tier(app_client):
+def test_delete_and_expiry_remove_transcript_and_snapshots_from_every_tier(app_client, monkeypatch):
     sid = app_client.post("/v1/sessions", json={"system": "Be brief."}).json()["id"]
     chat(app_client, sid, [{"role": "user", "content": "Hello"}])
     host = app_client.app.state.host
@@ -94,11 +95,20 @@ def test_delete_and_expiry_remove_transcript_and_snapshots_from_every_tier(app_c
     app_client.delete(f"/v1/sessions/{sid}")
     assert files_of(app_client, sid) == []
     assert block_files(app_client) == []  # no other session named those blocks
-    short = app_client.post("/v1/sessions", json={"ttl_s": 0.2}).json()["id"]
+    short = app_client.post("/v1/sessions", json={"ttl_s": 60}).json()["id"]
     chat(app_client, short, [{"role": "user", "content": "Hi"}])
-    assert files_of(app_client, short) == [f"session-{short}.json"]
-    wait_until(lambda: app_client.get(f"/v1/sessions/{short}").status_code == 404, what="the session to expire")
+    short_key = SessionKey("default", short)
+    assert ask(engine, lambda: engine.offloader.save(short_key, host.store.transcript(short_key)))  # below the pool
+    host.tiers.flush()
+    assert files_of(app_client, short) == [f"session-{short}.json", f"session-{short}.kv.json"]
+    assert block_files(app_client)
+    assert app_client.get(f"/v1/sessions/{short}").status_code == 200
+    later = time.monotonic() + 61  # the store's clock moved past its TTL (the wall clock plays no part)
+    monkeypatch.setattr(host.store, "_clock", lambda: later)
+    assert app_client.get(f"/v1/sessions/{short}").status_code == 404  # expired: record and K/V everywhere go
     assert files_of(app_client, short) == []
+    assert block_files(app_client) == []
+    assert host.tiers.peek_tokens(short_key) == 0
 
 
 def three_turns(client, sid) -> list[dict]:
@@ -145,6 +155,42 @@ def test_rewind_drops_later_turns(app_client):
     r = chat(app_client, sid, [*messages[:2], {"role": "user", "content": "Again"}])
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert app_client.get(f"/v1/sessions/{sid}").json()["turns"] == 2
+
+
+def test_fork_and_rewind_by_turn_after_an_edited_history_give_that_turns_conversation(app_client, tiny):
+    sid = app_client.post("/v1/sessions", json={"system": "Answer briefly."}).json()["id"]
+    forced = {"max_tokens": 1, "logit_bias": {str(tiny.tokenizer.convert_tokens_to_ids("The")): 100}}
+    system = [{"role": "system", "content": "Answer briefly."}]
+
+    def turn(messages):  # the reply is one forced token: it renders back to the ids the model made
+        reply = chat(app_client, sid, messages, **forced).json()["choices"][0]["message"]
+        assert reply["content"] == "The"
+        return [*messages, {"role": "assistant", "content": reply["content"]}]
+
+    def at(session_id):
+        view = store(app_client).view(SessionKey("default", session_id))
+        return view.messages, view.transcript_ids
+
+    first = turn([{"role": "user", "content": "Hello world"}])
+    after_first = at(sid)
+    turn([*first, {"role": "user", "content": "Paris is"}])
+    # The history edited with the count of messages unchanged: turn 2's question is another one.
+    edited = turn([*first, {"role": "user", "content": "Berlin"}])
+    now = at(sid)
+    assert now[0] == [*system, *edited]
+    described = app_client.get(f"/v1/sessions/{sid}").json()
+    assert described["turns"] == 2  # turn 1, and the edited turn 2
+    base = (system, now[1][: described["system_tokens"]])
+    for number, expected in ((0, base), (1, after_first), (2, now)):
+        fork = app_client.post(f"/v1/sessions/{sid}/fork", json={"turn": number})
+        assert fork.status_code == 201, fork.text
+        assert at(fork.json()["id"]) == expected, number
+    assert app_client.post(f"/v1/sessions/{sid}/rewind", json={"turn": 3}).status_code == 400
+    assert app_client.post(f"/v1/sessions/{sid}/rewind", json={"turn": 1}).status_code == 200
+    assert at(sid) == after_first
+    # An edit of the first message holds no turn but the base: the session is at turn 1 again.
+    turn([{"role": "user", "content": "Paris is"}])
+    assert app_client.get(f"/v1/sessions/{sid}").json()["turns"] == 1
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,13 @@ SCRIPT = textwrap.dedent(
     with TestClient(app) as client:
         while client.get("/ready").status_code != 200:
             pass
-        body = {"model": spec.id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
-        for _ in range(2):
-            assert client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": "s"}).status_code == 200
+        messages = [{"role": "user", "content": "Hi"}]
+        for _ in range(2):  # two turns: the second continues the first
+            body = {"model": spec.id, "messages": messages, "max_tokens": 3}
+            r = client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": "s"})
+            assert r.status_code == 200
+            reply = {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}
+            messages = [*messages, reply, {"role": "user", "content": "More"}]
         assert client.get("/v1/sessions/s").json()["turns"] == 2
         assert client.post("/v1/sessions/s/fork", json={}).status_code == 201
         assert client.delete("/v1/sessions/s").status_code == 200

@@ -5,15 +5,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from server.kv.tiers import TierStore
-from server.sessions.errors import SessionBusy, SessionModelMismatch, SessionModeMismatch, StateUnavailable
+from server.sessions.errors import (
+    QuotaExceeded,
+    SessionBusy,
+    SessionModelMismatch,
+    SessionModeMismatch,
+    StateUnavailable,
+)
 from server.sessions.index import Reach
 from server.sessions.journal import Journal
-from server.sessions.record import CompletedTurn, SessionKey, Usage
+from server.sessions.record import CompletedTurn, SessionKey, Turn, Usage
 from server.sessions.store import SessionStore
 
 
@@ -248,3 +255,259 @@ def test_how_many_blocks_another_transcript_reaches():
     assert Reach(6, is_covered=False, other_ends=True).num_blocks(3, 4) == 2  # the other ends inside block 2
     assert Reach(6, is_covered=False, other_ends=False).num_blocks(3, 4) == 1  # only whole blocks in common
     assert Reach(8, is_covered=False, other_ends=True).num_blocks(3, 4) == 2
+
+
+def test_a_delete_the_journal_refuses_leaves_later_turns_journaled(tmp_path, monkeypatch):
+    store = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
+    complete(store, "kept", [1, 2, 3])
+
+    def read_only(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(StateUnavailable, match="could not be deleted"):
+        store.delete(key("kept"))
+    monkeypatch.undo()
+    assert store.info(key("kept")).num_turns == 1  # refused: nothing forgotten
+    complete(store, "kept", [1, 2, 3, 4, 5])  # so its next turn is journaled like any other
+    again = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
+    assert again.restore() == 1
+    assert again.transcript(key("kept")) == [1, 2, 3, 4, 5]
+
+
+def test_a_sessions_own_transcript_is_left_out_of_its_tenants_usage(store):
+    complete(store, "a", [1, 2, 3])
+    complete(store, "b", [4, 5])
+    assert store.tenant_usage("default", exclude=key("a")) == (1, 2)  # b only: a's tokens are not counted
+    assert store.tenant_usage("default", exclude=key("b")) == (1, 3)
+    assert store.tenant_usage("default", exclude=key("new")) == (2, 5)  # a new session: every other counts
+    assert store.tenant_usage("other", exclude=SessionKey("other", "a")) == (0, 0)
+
+
+def test_deleted_and_expired_sessions_leave_the_idle_list():
+    clock = Clock()
+    store = SessionStore(ttl_s=10, clock=clock)
+    complete(store, "expires", [1])
+    clock.now = 5
+    complete(store, "deleted", [2])
+    complete(store, "stays", [3])
+    assert [k.name for k, _ in store.idle_transcripts("m")] == ["expires", "deleted", "stays"]
+    assert store.delete(key("deleted"))
+    clock.now = 12  # past the first one's TTL only
+    store.expire()
+    assert [k.name for k, _ in store.idle_transcripts("m")] == ["stays"]
+
+
+def test_a_restart_keeps_each_sessions_ttl_running(tmp_path):
+    """The TTL counts from the last use, across a restart: the new process's monotonic clock starts elsewhere,
+    the record's wall-clock time of last use says how long ago it was."""
+    mono, wall = Clock(), Clock()
+    wall.now = 1_000_000.0
+    store = SessionStore(ttl_s=100, journal=Journal(tmp_path), clock=mono, wall_clock=wall)
+    complete(store, "old", [1])
+    mono.now, wall.now = 60, wall.now + 60
+    complete(store, "new", [2])
+    mono, wall.now = Clock(), wall.now + 10  # a restart, 70 s after the first session's last use
+    mono.now = 5
+    again = SessionStore(ttl_s=100, journal=Journal(tmp_path), clock=mono, wall_clock=wall)
+    assert again.restore() == 2
+    assert again.info(key("old")) is not None
+    mono.now, wall.now = 36, wall.now + 31  # 101 s after its last use, 41 s after the other's
+    assert again.info(key("old")) is None
+    assert again.info(key("new")) is not None
+    assert [p.name for p in tmp_path.rglob("*.json")] == ["session-new.json"]
+    mono, wall.now = Clock(), wall.now + 100  # down for longer than the TTL: gone at start
+    third = SessionStore(ttl_s=100, journal=Journal(tmp_path), clock=mono, wall_clock=wall)
+    third.restore()
+    assert third.session_keys() == set()
+    assert list(tmp_path.rglob("*.json")) == []
+
+
+class Forgetting:
+    """A K/V tier as the store sees it: what it was told to drop."""
+
+    def __init__(self) -> None:
+        self.dropped: list[SessionKey] = []
+
+    def revive(self, key: SessionKey) -> None:
+        return None
+
+    def drop(self, key: SessionKey) -> None:
+        self.dropped.append(key)
+
+
+def test_an_expired_sessions_kv_is_dropped_from_the_tiers():
+    clock, tiers = Clock(), Forgetting()
+    store = SessionStore(ttl_s=10, forgetters=(tiers,), clock=clock)
+    complete(store, "old", [1, 2, 3])
+    clock.now = 5
+    complete(store, "young", [4])
+    clock.now = 11
+    store.expire()
+    assert tiers.dropped == [key("old")]
+    clock.now = 16
+    store.expire()
+    assert tiers.dropped == [key("old"), key("young")]
+
+
+def test_a_session_past_its_ttl_is_never_continued():
+    clock = Clock()
+    store = SessionStore(ttl_s=10, clock=clock)
+    complete(store, "old", [1, 2, 3])
+    clock.now = 11  # nothing asked the store since: the request itself finds it expired
+    session = store.acquire(key("old"), "m")
+    assert session.transcript_ids == []  # a new session under that name, not the old transcript
+    assert session.num_turns == 0
+    assert store.take_forgotten("m") == [(key("old"), [1, 2, 3])]  # and the old one's device K/V goes
+    store.release(session)
+
+
+def chat_turn(prompt_ids: list[int], reply_ids: list[int], messages: list[dict], reply: str) -> CompletedTurn:
+    usage = Usage(len(prompt_ids), len(reply_ids), 0)
+    return CompletedTurn(
+        prompt_ids + reply_ids, reply, "length", usage, messages, reply={"role": "assistant", "content": reply}
+    )
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def bot(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def test_a_prefill_only_request_makes_no_turn_and_changes_no_record(tmp_path):
+    store = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
+    store.release(store.acquire(key("s"), "m", is_chat=True), chat_turn([1, 2], [3], [user("a")], "b"))
+    store.release(
+        store.acquire(key("s"), "m", is_chat=True), chat_turn([1, 2, 3, 4], [5], [user("a"), bot("b"), user("c")], "d")
+    )
+    before = store.view(key("s"))
+    warm = CompletedTurn(
+        [1, 2, 3, 4, 5, 6, 7],
+        "",
+        "length",
+        Usage(7, 0, 0),
+        [user("a"), bot("b"), user("c"), bot("d"), user("e")],
+        is_prefill_only=True,
+    )
+    store.release(store.acquire(key("s"), "m", is_chat=True), warm)
+    after = store.view(key("s"))
+    assert (after.transcript_ids, after.turns, after.messages, after.rev) == (
+        before.transcript_ids,
+        before.turns,
+        before.messages,
+        before.rev,
+    )
+    assert after.num_turns == 2
+    again = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
+    again.restore()
+    assert again.view(key("s")).turns == before.turns  # nothing journaled either
+
+
+def test_a_turn_keeps_only_the_turns_its_prompt_still_holds(store):
+    def run(prompt_ids, reply_ids, messages, reply):
+        store.release(store.acquire(key("s"), "m", is_chat=True), chat_turn(prompt_ids, reply_ids, messages, reply))
+        return store.view(key("s"))
+
+    run([1, 2], [3], [user("a")], "b")  # turn 1 ends at 3 tokens, 2 messages
+    run([1, 2, 3, 4], [5], [user("a"), bot("b"), user("c")], "d")  # turn 2: 5 tokens, 4 messages
+    extended = run([1, 2, 3, 4, 5, 6], [7], [user("a"), bot("b"), user("c"), bot("d"), user("e")], "f")
+    assert [(t.end, t.num_messages) for t in extended.turns] == [(0, 0), (3, 2), (5, 4), (7, 6)]
+    # Turn 3's message edited (its tokens too): turns 1 and 2 still hold, the edited one is turn 3 again.
+    edited = run([1, 2, 3, 4, 5, 9], [8], [user("a"), bot("b"), user("c"), bot("d"), user("E")], "g")
+    assert [(t.end, t.num_messages) for t in edited.turns] == [(0, 0), (3, 2), (5, 4), (7, 6)]
+    assert edited.transcript_ids == [1, 2, 3, 4, 5, 9, 8]
+    # Same tokens, another message (a field the template does not render): the turn past it goes.
+    relabelled = run([1, 2, 3, 4], [6], [user("a"), {**bot("b"), "name": "x"}, user("c")], "h")
+    assert [(t.end, t.num_messages) for t in relabelled.turns] == [(0, 0), (5, 4)]
+    # A retried first turn: the turn it redoes is not kept beside it.
+    retried = run([1, 2], [3], [user("a")], "b")
+    assert [(t.end, t.num_messages) for t in retried.turns] == [(0, 0), (3, 2)]
+    # A completion retried (no messages): the turn whose reply its prompt does not hold is not kept beside it.
+    for _ in range(2):
+        store.release(store.acquire(key("plain"), "m"), CompletedTurn([1, 2, 3], "", "stop", Usage(2, 1, 0), None))
+    assert [(t.end, t.num_messages) for t in store.view(key("plain")).turns] == [(0, 0), (3, 0)]
+    # A prompt that shares no token with the transcript holds no turn, not even the base.
+    store.create(
+        key("based"), "m", transcript_ids=[1, 2], messages=[{"role": "system", "content": "S"}], turns=[Turn(2, 1)]
+    )
+    store.release(store.acquire(key("based"), "m", is_chat=True), chat_turn([7, 8], [9], [user("a")], "b"))
+    assert [(t.end, t.num_messages) for t in store.view(key("based")).turns] == [(0, 0), (3, 2)]
+    store.release(
+        store.acquire(key("based"), "m", is_chat=True),
+        chat_turn([7, 8, 9, 1], [2], [user("a"), bot("b"), user("c")], "d"),
+    )
+    assert [(t.end, t.num_messages) for t in store.view(key("based")).turns] == [(0, 0), (3, 2), (5, 4)]
+
+
+def test_the_session_quota_holds_for_requests_at_once():
+    store = SessionStore(ttl_s=3600, max_sessions_per_tenant=3)
+    store.create(SessionKey("default", "r", "response"), "m")  # a stored response counts among them
+    start = threading.Barrier(12)
+    made, refused = [], []
+
+    def first_use(i: int) -> None:
+        start.wait()
+        try:
+            if i % 2:
+                made.append(store.acquire(key(f"s{i}"), "m"))
+            else:
+                made.append(store.create(key(f"s{i}"), "m"))
+        except QuotaExceeded:
+            refused.append(i)
+
+    threads = [threading.Thread(target=first_use, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 2
+    assert len(refused) == 10
+    assert store.counts() == {"session": 2, "response": 1}
+    assert store.acquire(key("s0", tenant="other"), "m") is not None  # another tenant's quota is its own
+    for i in range(3):
+        assert store.acquire(SessionKey("default", f"b{i}", "bucket"), "m") is not None
+    assert store.acquire(SessionKey("default", "b3", "bucket"), "m") is None  # past it: a bucket is only a hint
+    assert store.counts()["bucket"] == 3
+    name = made[0].key
+    if made[0].is_in_use:
+        store.release(made[0])
+    store.delete(name)
+    store.create(key("again"), "m")  # room again once one is deleted
+
+
+def test_only_an_empty_idle_session_a_refused_request_made_is_discarded(store):
+    made = store.create(key("new"), "m")
+    assert store.discard_unused(made)
+    assert store.info(key("new")) is None
+    taken = store.create(key("taken"), "m")
+    store.acquire(key("taken"), "m")  # another request with the same id took it meanwhile
+    assert not store.discard_unused(taken)
+    store.release(taken, turn([1, 2]))
+    assert not store.discard_unused(taken)  # it holds a turn now
+    stale = store.create(key("stale"), "m")
+    store.delete(key("stale"))
+    store.create(key("stale"), "m")  # the name made again by someone else: not the record this request made
+    assert not store.discard_unused(stale)
+    assert store.info(key("stale")) is not None
+
+
+def test_a_session_its_first_request_made_goes_when_that_request_makes_no_turn(tmp_path):
+    store = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
+    store.release(store.acquire(key("failed"), "m"))  # its first request failed or was cancelled: no turn
+    assert store.info(key("failed")) is None
+    assert not list(tmp_path.rglob("*.json"))  # nor its journal record
+    warmed = CompletedTurn([1, 2], "", "length", Usage(2, 0, 0), None, is_prefill_only=True)
+    store.release(store.acquire(key("warmed"), "m"), warmed)  # max_tokens 0 did what it was asked: no turn, kept
+    assert store.info(key("warmed")) is not None
+    complete(store, "kept", [1, 2])
+    store.release(store.acquire(key("kept"), "m"))  # a later request that fails leaves the session as it was
+    assert store.transcript(key("kept")) == [1, 2]
+    store.create(key("made"), "m")  # made by POST /v1/sessions, not by a request on first use
+    store.release(store.acquire(key("made"), "m"))
+    assert store.info(key("made")) is not None
+    bucket = SessionKey("default", "b", kind="bucket")
+    store.release(store.acquire(bucket, "m"))  # a bucket is a cache key; it keeps no record to remove
+    assert store.tenant_usage("default", key("other"))[0] == 3  # warmed, kept and made
