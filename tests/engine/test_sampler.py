@@ -1,12 +1,16 @@
-"""Sampling transforms on hand-made logits, placed at shuffled token ids so index-mapping bugs show."""
+"""Sampling transforms on hand-made logits, placed at shuffled token ids so index-mapping bugs show;
+and, on the engine, rows that adjust their logits (logit_bias) among rows that take the batched paths."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 
 from server.engine.request import SamplingParams
 from server.engine.sampler import TOP_P_CANDIDATES, Sampler, _truncate, batch_sample
+from tests.helpers import collect, make_engine, paused, reference_greedy, request, run
 
 VALUES = [2.0, 1.5, 1.0, 0.5, -1.0, -3.0]  # by rank: VALUES[r] is the r-th best logit
 RANK_TO_ID = [4, 0, 5, 2, 1, 3]  # the token id holding each rank: not sorted, not reversed
@@ -119,3 +123,36 @@ def test_top_p_keeps_what_a_full_sort_keeps(spread):
         assert torch.equal(kept[row], expected), (row, int(kept[row].sum()), int(expected.sum()))
     # flat: the first look (the 64 most likely) was not enough; peaked: it was
     assert (int(kept[0].sum()) > TOP_P_CANDIDATES) == (spread < 1)
+
+
+async def test_logit_bias_holds_for_a_row_in_a_batch_and_leaves_the_other_rows_alone(tiny):
+    """A greedy and a seeded-sampled row with a bias share steps with plain rows of both kinds (which take
+    the batched argmax and draw): each biased row gets its forced token, each plain row what it gets alone."""
+    engine = make_engine(tiny, block_size=4)
+    try:
+        prompt = tiny.tokenizer("The quick brown fox jumps over")["input_ids"]
+        expected = reference_greedy(tiny.model, prompt, 6)
+        forced_greedy, forced_sampled = [t for t in range(100, 200) if t not in expected and t not in prompt][:2]
+        sampled = dict(temperature=1.0, seed=5)
+        alone = await run(engine, prompt, max_tokens=6, ignore_eos=True, **sampled)
+        rows = {
+            "plain-greedy-0": dict(),
+            "plain-greedy-1": dict(),
+            "biased-greedy": dict(logit_bias={forced_greedy: 100.0}),
+            "plain-sampled": sampled,
+            "biased-sampled": dict(temperature=1.0, seed=6, logit_bias={forced_sampled: 100.0}),
+        }
+        before = len(engine.loop.step_log)
+        async with paused(engine):  # all five are taken in one go, so they decode in the same steps
+            handles = [
+                engine.submit(request(prompt, rid=rid, max_tokens=6, ignore_eos=True, **kw)) for rid, kw in rows.items()
+            ]
+        got = dict(zip(rows, await asyncio.gather(*map(collect, handles)), strict=True))
+        steps = list(engine.loop.step_log)[before:]
+        assert any(set(step.decode) == set(rows) for step in steps), "the five rows never decoded in one step"
+        assert got["biased-greedy"].token_ids == [forced_greedy] * 6
+        assert got["biased-sampled"].token_ids == [forced_sampled] * 6
+        assert got["plain-greedy-0"].token_ids == got["plain-greedy-1"].token_ids == expected
+        assert got["plain-sampled"].token_ids == alone.token_ids
+    finally:
+        engine.stop()

@@ -70,6 +70,9 @@ def test_a_read_only_journal_refuses_deletes_and_nothing_comes_back(tiny_spec, s
         assert r.json()["error"]["code"] == "state_unavailable"
         assert sessions_of(client) == before  # refused, so not applied
         monkeypatch.undo()
+        assert chat_turns(client, sid, ["Hello", "Paris is", "The quick"]).status_code == 200  # and it goes on
+        before = sessions_of(client)
+        assert before[sid][0] == 3
     with serve(tiny_spec, state) as client:
         wait_ready(client)
         assert sessions_of(client) == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 
@@ -11,6 +12,7 @@ from fastapi.testclient import TestClient
 from server.app import create_app
 from server.http.auth import load_keys
 from server.http.connections import default_max_connections
+from server.sessions.record import SessionKey
 from server.settings import Settings
 from tests.http.conftest import wait_ready
 
@@ -160,6 +162,26 @@ def test_body_size_and_max_tokens_limits(guarded):
     ]["anyOf"]
 
 
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_refused(guarded):
+    request = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    limit = 4000  # the fixture's max_request_bytes
+
+    def padded(size: int) -> bytes:  # the same request, with JSON whitespace up to `size` bytes
+        body = (request[:-1] + " " * (size - len(request)) + "}").encode()
+        assert len(body) == size
+        return body
+
+    headers = auth(ALICE) | {"content-type": "application/json"}
+    exact, over = padded(limit), padded(limit + 1)
+    assert guarded.post(CHAT, content=exact, headers=headers).status_code == 200  # Content-Length: the limit
+    r = guarded.post(CHAT, content=over, headers=headers)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+    for body, status in ((exact, 200), (over, 413)):  # no Content-Length: counted while read, in two pieces
+        r = guarded.post(CHAT, content=iter([body[:1500], body[1500:]]), headers=headers)
+        assert r.status_code == status, r.text
+
+
 def test_quotas_answer_429_quota_exceeded(tiny_spec):
     settings = Settings(max_sessions_per_tenant=2, max_tenant_kv_bytes=200 * 1024, default_max_tokens=4)
     with TestClient(create_app(settings, specs=[tiny_spec])) as c:
@@ -187,6 +209,30 @@ def test_quotas_answer_429_quota_exceeded(tiny_spec):
         buckets = store.session_keys("bucket")
         assert len(buckets) == 2
         assert all(store.view(k).messages == [] for k in buckets)  # and keep no prompt text
+
+
+def test_a_sessions_own_transcript_counts_once_toward_the_kv_quota(tiny_spec):
+    """A session's next prompt holds its whole transcript: the quota counts those tokens once, as the K/V it
+    will hold, never once as the session's and again as the prompt's."""
+    settings = Settings(max_tenant_kv_bytes=200 * 1024, default_max_tokens=2)  # 200 tokens of the tiny model
+    with TestClient(create_app(settings, specs=[tiny_spec])) as c:
+        wait_ready(c)
+        assert c.app.state.host.engines["tiny"].token_bytes == 1024
+        store = c.app.state.host.store
+
+        def complete(sid: str, prompt: list[int]):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "session_id": sid, "temperature": 0}
+            return c.post("/v1/completions", json=body)
+
+        assert complete("grow", [5] * 120).status_code == 200
+        transcript = store.transcript(SessionKey("default", "grow"))
+        assert 120 < len(transcript) <= 122
+        r = complete("grow", [*transcript, *[6] * 10])  # ~134 tokens with its reply: twice the transcript is not
+        assert r.status_code == 200, r.text
+        used = len(store.transcript(SessionKey("default", "grow")))
+        # Another session: exactly up to the limit is allowed, one token more is not (the first one's tokens count).
+        assert complete("other", [7] * (200 - used - 2 + 1)).status_code == 429
+        assert complete("other", [7] * (200 - used - 2)).status_code == 200
 
 
 def test_metrics_are_exposed_with_kvserve_names(guarded):

@@ -67,6 +67,11 @@ def test_addresses_name_layout_block_size_tenant_and_every_token():
     assert len(addresses(FP, BS, "t", ids, tail=True)) == 3
     assert addresses(FP, BS, "t", ids[:8]) == base  # a block's address depends on the tokens up to its end only
     assert addresses(FP, BS, "t", [*ids[:5], 99, *ids[6:]])[0] == base[0] != addresses(FP, BS, "t", [99, *ids])[0]
+    # Chained: a block's address names every token before it too, not only its own (its K/V depends on them).
+    other_start = addresses(FP, BS, "t", [99, *ids[1:]])
+    assert other_start[0] != base[0]
+    assert other_start[1] != base[1]  # its own tokens are the same: the prefix makes it another block
+    assert addresses(FP, BS, "t", [*ids[:4], *ids[:4]])[1] != base[0]  # the same tokens, another position
     for other in (addresses("x", BS, "t", ids), addresses(FP, 2, "t", ids)[1::2], addresses(FP, BS, "u", ids)):
         assert not set(other) & set(base)
     # Process-independent: another interpreter with another hash seed computes the same addresses.
@@ -122,6 +127,31 @@ def test_both_backends_store_new_blocks_once_and_read_the_leading_sound_run(back
     backend.delete([names[0]])  # evicted (Redis' maxmemory, say), behind this process's back
     assert store.read_run(names, LAYOUT) == []  # a missing first block: nothing, not the later ones
     assert store.unknown(names) == [0]  # and the engine copies it again at the next turn
+    store.close()
+
+
+def test_a_block_the_backend_did_not_take_is_not_remembered_as_held(backend, monkeypatch):
+    """A failed write leaves its blocks unknown: the engine hands them over again at the next turn."""
+    store = BlockStore(backend, "test", known_limit=KNOWN_LIMIT)
+    names = addresses(FP, BS, "t", list(range(8)))
+    k, v = kv(8)
+
+    def refuse(items):
+        raise backend.errors[0]("the medium failed")
+
+    monkeypatch.setattr(backend, "write", refuse)
+    done = []
+    store.put(WriteJob(names, k, v, BS, done.append))
+    store.flush()
+    assert done == [False]
+    assert store.stats.num_failed == 2
+    assert store.unknown(names) == [0, 1]  # still to be sent
+    monkeypatch.undo()
+    store.put(WriteJob(names, k, v, BS, done.append))  # the next turn sends them again, and they are stored
+    store.flush()
+    assert done == [False, True]
+    assert backend.held(names) == [True, True]
+    assert store.unknown(names) == []
     store.close()
 
 

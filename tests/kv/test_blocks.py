@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from server.kv import blocks as bm
 from server.kv.blocks import BlockManager
+from server.kv.offload import Offloader
+from server.kv.tiers import TierStore
+from server.sessions.record import CompletedTurn, SessionKey, Usage
+from server.sessions.store import SessionStore
 
 
 def fill(manager: BlockManager, salt: str, ids: list[int]) -> list:
@@ -93,3 +97,35 @@ def test_idle_cached_blocks_a_request_pins_are_not_counted_as_free():
     assert manager.can_reserve(7, [])  # 6 free + 4 evictable - 3 promised
     assert not manager.can_reserve(4, prefix)  # it pins the 4 cached blocks: they cannot also make its room
     assert manager.can_reserve(3, prefix)
+
+
+def test_trim_keeps_exactly_the_tokens_asked_for():
+    manager = BlockManager(8, 4)
+    blocks = fill(manager, "t", [1, 2, 3, 4, 5, 6, 7, 8])
+    manager.release(blocks)
+    manager.trim(blocks[1], 2)  # another transcript ends after 6: tokens 7 and 8 were someone else's
+    assert blocks[1].token_ids == [5, 6]
+    assert blocks[1].hash is None  # no longer a full block: never matched as one
+    match = manager.match("t", [1, 2, 3, 4, 5, 6, 7, 8, 9], 8)
+    assert (match.shared, match.partial, match.num_partial) == (blocks[:1], blocks[1], 2)
+    manager.pin(blocks)
+    manager.trim(blocks[0], 1)  # a block a running sequence holds is never cut
+    assert blocks[0].token_ids == [1, 2, 3, 4]
+
+
+def test_a_deleted_sessions_block_another_transcript_ends_inside_keeps_only_the_others_part():
+    manager, store = BlockManager(16, 4), SessionStore(ttl_s=3600)
+    kept, gone = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    for name, ids in (("kept", kept), ("gone", gone)):
+        store.release(
+            store.acquire(SessionKey("default", name), "m"), CompletedTurn(ids, "", "stop", Usage(6, 0, 0), None)
+        )
+    blocks = fill(manager, "default", gone[:9])  # gone's K/V: [1..4] [5..8] [9]; kept ends inside the second
+    manager.release(blocks)
+    assert store.delete(SessionKey("default", "gone"))
+    tiers = TierStore(0, 0, None, block_size=4)
+    Offloader(None, manager, store, tiers, "m", "fp").discard_forgotten()  # type: ignore[arg-type]
+    assert manager.match("default", [*kept, 0], 6).num_tokens == 6  # kept still finds all of its K/V
+    assert manager.match("default", gone, 9).num_tokens == 6  # nothing the deleted session alone computed
+    assert blocks[2].token_ids == []  # its last block, only its own, is free again
+    assert manager.num_free == 16 - 2

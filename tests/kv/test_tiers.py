@@ -275,3 +275,46 @@ def test_a_write_that_fails_for_any_reason_gives_back_what_it_held(tmp_path, mon
     tiers.flush_pending()
     assert tiers.peek_tokens(SessionKey("t", "a")) == 12
     tiers.close()
+
+
+def test_a_block_is_found_only_after_the_same_tokens(tmp_path):
+    """Addresses are chained: equal tokens after another prefix are another block (their K/V differs)."""
+    tiers = tiers_at(tmp_path)
+    tiers.put(make("a", 8))  # [0..3] [4..7]
+    tiers.put(make("b", 8, first=10))  # [10..13] [14..17]
+    tiers.flush_pending()
+    got = read(tiers, "c", [10, 11, 12, 13, 4, 5, 6, 7, 1])  # b's first block, then a's second block's tokens
+    assert got.token_ids == [10, 11, 12, 13]  # b's block only: a's [4..7] was computed after [0..3]
+    assert same(got, make("b", 8, first=10), 4)
+    tiers.close()
+
+
+def test_a_replaced_manifest_gives_back_the_blocks_only_it_named(tmp_path):
+    tiers = tiers_at(tmp_path)
+    key = SessionKey("t", "a")
+    tiers.put(make("a", 10))  # [0..3] [4..7] and the tail [8, 9]
+    tiers.flush_pending()
+    assert len(block_files(tmp_path)) == 3
+    tiers.put(make("a", 14))  # the next turn: [0..3] [4..7] [8..11] and the tail [12, 13]
+    tiers.flush_pending()
+    files = block_files(tmp_path)
+    assert len(files) == 4  # not 5: the old manifest's tail [8, 9], named by nobody now, is gone
+    names = addresses(FP, BS, "t", list(range(14)), tail=True)
+    assert files == sorted(DiskBlocks(tmp_path / "blocks").path_for(n) for n in names)  # the old tail went
+    assert tiers.totals().disk_bytes == sum(p.stat().st_size for p in files)
+    assert tiers.usage(key).disk_shared_bytes == 0  # no other manifest names its blocks
+    tiers.drop(key)
+    assert block_files(tmp_path) == []
+    assert tiers.totals().disk_bytes == 0
+    tiers.close()
+
+
+def test_the_partial_last_block_is_read_when_the_prompt_ends_with_it(tmp_path):
+    tiers = tiers_at(tmp_path)
+    tiers.put(make("a", 10))  # [0..3] [4..7] and the tail [8, 9]
+    tiers.flush_pending()
+    got = read(tiers, "a", list(range(10)))  # usable ids that end exactly where the manifest does
+    assert got.token_ids == list(range(10))
+    assert same(got, make("a", 10), 10)
+    assert read(tiers, "a", list(range(9))).token_ids == list(range(8))  # ending inside the tail: not usable
+    tiers.close()
