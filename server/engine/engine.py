@@ -54,17 +54,32 @@ class Engine:
         self._thread = threading.Thread(target=self.loop.run, name=f"engine-{self.model_id}", daemon=True)
         pool = self.runner.pool
         log.info(
-            "model %s: paged K/V pool of %d blocks x %d tokens (%.0f MiB)",
+            "model %s: paged K/V pool of %d blocks x %d tokens (%.0f MiB); K/V fingerprint %s (%s, %s)",
             self.model_id,
             pool.num_blocks,
             pool.block_size,
             pool.nbytes / 2**20,
+            self.fingerprint,
+            self.runner.layout.describe,
+            self.runner.digests.text,
         )
 
     # -- any thread --------------------------------------------------------------------------
     @property
     def counter(self) -> ForwardCounter:
         return self.runner.counter
+
+    @property
+    def fingerprint_parts(self) -> dict[str, str]:
+        """The K/V fingerprint and what it digests: GET /v1/models/{id} shows it, replicas announce it."""
+        digests = self.runner.digests
+        return {
+            "kv_fingerprint": self.fingerprint,
+            "kv_layout": self.runner.layout.describe,
+            "weights_digest": digests.weights,
+            "config_digest": digests.config,
+            "tokenizer_digest": digests.tokenizer,
+        }
 
     @property
     def stats(self) -> EngineStats:

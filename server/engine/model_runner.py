@@ -16,7 +16,8 @@ import torch
 from server.engine.scheduler import Row
 from server.kv import kernels
 from server.kv.attention import STEP_KWARG, DecodeRows, SeqSpan, SharedHead, StepMeta, attention_inputs, install
-from server.kv.pool import KVLayout, KVPool, weights_digest
+from server.kv.pool import KVLayout, KVPool
+from server.models.digest import ModelDigests
 from server.models.loader import LoadedModel
 
 # Decode rows with at most this many keys go to the paged kernel, all in one call. Measured on a 2-core Xeon
@@ -53,7 +54,8 @@ class ModelRunner:
         self.layout = KVLayout.of(loaded.model.config, loaded.dtype)
         num_blocks = max(1, budget_bytes // (self.layout.bytes_per_token * block_size))
         self.pool = KVPool(self.layout, num_blocks, block_size, loaded.device)
-        self.fingerprint = self.layout.fingerprint(loaded.weights_digest or weights_digest(loaded.model))
+        self.digests = loaded.digests or ModelDigests.of_loaded(loaded.model, loaded.tokenizer)
+        self.fingerprint = self.layout.fingerprint(self.digests.text)
         self.counter = ForwardCounter()
         # Short decode rows go to the paged kernel in one call per layer (CPU); otherwise each is an SDPA call.
         self.uses_kernel = loaded.device.type == "cpu" and kernels.paged_decode_available()

@@ -35,22 +35,16 @@ class KVLayout:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
-    def fingerprint(self, weights: str | None = None) -> str:
-        """The layout, and a digest of the weights (`weights_digest`): new weights under an old id reuse nothing."""
+    @property
+    def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        text = f"layers={self.num_layers},kv_heads={self.num_kv_heads},head_dim={self.head_dim},dtype={dtype}"
-        return text if weights is None else f"{text},weights={weights}"
+        return f"layers={self.num_layers},kv_heads={self.num_kv_heads},head_dim={self.head_dim},dtype={dtype}"
 
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """A digest of a sample of a model's parameters: the first, the middle and the last, as loaded (the loader
-    takes it before bf16 linears are packed, which turns their weights into buffers)."""
-    digest = hashlib.sha256()
-    params = list(model.parameters())
-    for param in (params[0], params[len(params) // 2], params[-1]):
-        sample = param.detach().reshape(-1)[:4096].to("cpu", torch.float32).contiguous()
-        digest.update(sample.view(torch.uint8).numpy().data)
-    return digest.hexdigest()[:16]
+    def fingerprint(self, model: str = "") -> str:
+        """The K/V fingerprint: a digest of this layout and of `model`, what else decides a token's K/V (the
+        weights', config's and tokenizer's digests: `server/models/digest.py`). It is part of every block
+        address, so K/V computed by another model, or in another dtype, is never found."""
+        return hashlib.blake2b(f"{self.describe}\0{model}".encode(), digest_size=16).hexdigest()
 
 
 class KVPool:

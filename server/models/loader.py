@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from server.kv.attention import unsupported_reason
-from server.kv.pool import weights_digest
 from server.models.convert import convert_gguf, gguf_cache_dir
+from server.models.digest import ModelDigests, config_digest, state_dict_digest, tokenizer_digest, weights_digest
 from server.models.dtype import DtypeChoice, choose_dtype
 from server.models.packed_linear import can_pack, pack_linears
 
@@ -57,7 +57,7 @@ class LoadedModel:
     eos_ids: frozenset[int]
     max_token_bytes: int = 64  # no token stands for more UTF-8 bytes of text: bytes / this <= tokens
     dtype_reason: str = "configured"  # why this dtype (GET /v1/models/{id} shows it)
-    weights_digest: str = ""  # of the weights as loaded, before any packing (the K/V fingerprint's; "": from model)
+    digests: ModelDigests | None = None  # weights, config, tokenizer: the K/V fingerprint's (None: from the model)
     guards_control_text: bool = True  # a message's text never becomes a control token (serving/control_text.py)
 
 
@@ -140,7 +140,8 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
 
     device = pick_device(spec.device)
     where = resolve_source(spec, cache_dir)
-    choice: DtypeChoice = choose_dtype(spec.dtype, device, AutoConfig.from_pretrained(where), cache_dir / DTYPE_MEMO)
+    config = AutoConfig.from_pretrained(where)
+    choice: DtypeChoice = choose_dtype(spec.dtype, device, config, cache_dir / DTYPE_MEMO)
     log.info("model %s: %s (%s)", spec.id, choice.name, choice.reason)
     dtype = choice.dtype
     tokenizer = AutoTokenizer.from_pretrained(where)
@@ -149,13 +150,18 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
     if reason is not None:
         raise ModelLoadError(f"model {spec.id!r} cannot be served: {reason}")
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    digest = weights_digest(model)
+    weights_dir = _weights_dir(where)  # after loading: a hub model's files are fetched by now
+    weights = weights_digest(weights_dir) if weights_dir is not None else None
+    if weights is None:  # no safetensors files: the parameters as loaded, before packing turns linears to buffers
+        log.info("model %s: no safetensors weights; digesting the loaded parameters (not cached)", spec.id)
+        weights = state_dict_digest(model)
+    digests = ModelDigests(weights, config_digest(config), tokenizer_digest(tokenizer))
     if can_pack(model, device, dtype):
         log.info("model %s: %d linear layers packed for oneDNN (bf16 on the CPU)", spec.id, pack_linears(model))
     if spec.chat_template:
         tokenizer.chat_template = _read_template(spec)
-    config = model.config.get_text_config(decoder=True)
-    max_context = spec.max_context or getattr(config, "max_position_embeddings", None) or 2048
+    text_config = model.config.get_text_config(decoder=True)
+    max_context = spec.max_context or getattr(text_config, "max_position_embeddings", None) or 2048
     return LoadedModel(
         spec=spec,
         model=model,
@@ -167,8 +173,18 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
         eos_ids=_eos_ids(model, tokenizer),
         max_token_bytes=_max_token_bytes(tokenizer),
         dtype_reason=choice.reason,
-        weights_digest=digest,
+        digests=digests,
     )
+
+
+def _weights_dir(where: str) -> Path | None:
+    """The directory holding the weights: `where` itself, or a hub repo's snapshot in the local hub cache."""
+    if Path(where).is_dir():
+        return Path(where)
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(where, "config.json")  # no network: from_pretrained has just fetched it
+    return Path(config).parent if isinstance(config, str) else None
 
 
 def _read_template(spec: ModelSpec) -> str:

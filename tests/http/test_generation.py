@@ -225,6 +225,11 @@ def test_one_model_object_says_dtype_context_and_kv_size(client):
     config = client.app.state.host.engines["tiny"].loaded.model.config
     head_dim = config.hidden_size // config.num_attention_heads
     assert tiny["kv_bytes_per_token"] == 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 8
+    engine = client.app.state.host.engines["tiny"]
+    assert tiny["kv_fingerprint"] == engine.fingerprint  # what every block address of this model holds
+    assert tiny["kv_layout"] == f"layers=2,kv_heads=2,head_dim={head_dim},dtype=float64"
+    assert tiny["weights_digest"] == engine.loaded.digests.weights
+    assert tiny["other_replicas"] is None  # no shared store: no other replica to compare with
     missing = client.get("/v1/models/no-such")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from server.kv.pool import weights_digest
+from server.models import loader
+from server.models.digest import state_dict_digest
 from server.models.loader import load_model
 from server.models.packed_linear import PackedLinear, can_pack, pack_linears
 from tests.helpers import make_engine, reference_greedy, run
@@ -43,11 +44,19 @@ def test_only_bf16_on_the_cpu_is_packed():
     assert not can_pack(model, torch.device("cuda"), torch.bfloat16)
 
 
-def test_the_weights_fingerprint_is_taken_before_packing(tiny_spec):
-    loaded = load_model(dataclasses.replace(tiny_spec, dtype="bfloat16"), Path("unused"))
-    assert isinstance(loaded.model.lm_head, PackedLinear)  # its weight is a packed buffer now, not a parameter
-    plain = AutoModelForCausalLM.from_pretrained(tiny_spec.source, dtype=torch.bfloat16)
-    assert loaded.weights_digest == weights_digest(plain)  # so a fine-tune of any linear still changes it
+def test_the_weights_digest_is_of_the_stored_weights_or_taken_before_packing(tiny_spec, monkeypatch):
+    packed = load_model(dataclasses.replace(tiny_spec, dtype="bfloat16"), Path("unused"))
+    assert isinstance(packed.model.lm_head, PackedLinear)  # its weight is a packed buffer now, not a parameter
+    plain = load_model(tiny_spec, Path("unused"))  # float64: nothing packed
+    assert packed.digests is not None
+    assert plain.digests is not None
+    assert packed.digests.weights == plain.digests.weights  # the files' tensors, whatever they are loaded as
+    # Without safetensors files, the loaded parameters are digested: before packing turns linears into buffers.
+    monkeypatch.setattr(loader, "weights_digest", lambda directory: None)
+    from_parameters = load_model(dataclasses.replace(tiny_spec, dtype="bfloat16"), Path("unused"))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_spec.source, dtype=torch.bfloat16)
+    assert from_parameters.digests is not None
+    assert from_parameters.digests.weights == state_dict_digest(reference)  # a fine-tune of any linear changes it
 
 
 async def test_a_bf16_engine_with_packed_weights_and_the_kernel_answers_as_generate(tiny_spec):

@@ -7,6 +7,7 @@ from server.http import deps
 from server.openai.errors import ApiError
 
 router = APIRouter()
+FINGERPRINT_PARTS = ("kv_fingerprint", "kv_layout", "weights_digest", "config_digest", "tokenizer_digest")
 
 
 @router.get("/v1/models", summary="Configured models and whether each is ready")
@@ -14,7 +15,9 @@ async def list_models(host: ModelHost = Depends(deps.host)) -> dict:
     return {"object": "list", "data": [model_object(host, model_id) for model_id in host.states]}
 
 
-@router.get("/v1/models/{model_id:path}", summary="One model: readiness, context length, dtype and K/V size")
+@router.get(
+    "/v1/models/{model_id:path}", summary="One model: readiness, context length, dtype, K/V size and fingerprint"
+)
 async def get_model(model_id: str, host: ModelHost = Depends(deps.host)) -> dict:
     if model_id not in host.states:
         raise ApiError(404, "model_not_found", f"model {model_id!r} does not exist", "model")
@@ -36,4 +39,14 @@ def model_object(host: ModelHost, model_id: str) -> dict:
         "dtype_reason": loaded.dtype_reason if loaded else None,
         "device": loaded.device.type if loaded else None,
         "kv_bytes_per_token": engine.token_bytes if engine else None,
+        **_fingerprint(host, model_id),
     }
+
+
+def _fingerprint(host: ModelHost, model_id: str) -> dict:
+    """The K/V fingerprint and its parts (null until loaded), and the other replicas that serve this id, as this
+    one last saw them in the shared store (null without one): a replica with another fingerprint shares no K/V."""
+    engine = host.engines.get(model_id)
+    parts: dict = engine.fingerprint_parts if engine else dict.fromkeys(FINGERPRINT_PARTS)
+    board = host.fingerprints
+    return parts | {"other_replicas": board.peers(model_id) if board is not None and engine else None}
