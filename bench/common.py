@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -73,11 +74,16 @@ class StreamTimer:
 
 
 def spawn_server(
-    extra_args: list[str] | None = None, env: dict | None = None, root: Path = ROOT, log: Path | None = None
+    extra_args: list[str] | None = None,
+    env: dict | None = None,
+    root: Path = ROOT,
+    log: Path | None = None,
+    own_group: bool = False,
 ) -> tuple[subprocess.Popen, str]:
     """`kvserve serve` from the source tree at `root` (another checkout for before/after runs) on a free port.
 
-    Its output goes to `log` when given, else to this process's stdout and stderr.
+    Its output goes to `log` when given, else to this process's stdout and stderr. `own_group`: the leader of a
+    new process group, which the caller ends whole (and which Ctrl-C in the terminal does not reach).
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,20 +96,28 @@ def spawn_server(
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT if log else None,
+            start_new_session=own_group,
         )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited during start-up")
-        try:
-            if httpx.get(base + "/ready").status_code == 200:
-                return proc, base + "/v1"
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server not ready in time")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError("server exited during start-up")
+            try:
+                if httpx.get(base + "/ready").status_code == 200:
+                    return proc, base + "/v1"
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server not ready in time")
+    except BaseException:  # not ready, or Ctrl-C meanwhile: the caller never gets it, so it goes here
+        if own_group and proc.returncode is None:  # not reaped, so its id is still its group's
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait(30)
+        raise
 
 
 def hf_decode_rate(args, prompts: list[list[dict]], num_tokens: int, repeats: int = 3) -> float | None:

@@ -31,8 +31,11 @@ def report(s: dict, args) -> str:
         f"{args.sessions} sessions opening with one shared system prompt plus their own case "
         f"({s['history_tokens']:.0f} tokens), "
         f"{args.turns} turns of {MAX_TOKENS} tokens each, greedy, {IN_FLIGHT} in flight. Replica {s['victim']} was "
-        f"SIGKILLed after {s['kill_after']} turns of the failover run; {s['retried']} turns whose stream broke were "
-        "sent again by the client.",
+        f"SIGKILLed after {s['kill_after']} turns of the failover run, {s['in_flight_at_kill']} turns in flight. "
+        f"The client sent {s['turns_resent']} turns again ({s['resends']} resends: {s['resends_broken']} after a "
+        f"stream or connection broke, {s['resends_busy']} after a 409 `session_busy` while the dead replica's lease "
+        f"lasted), every one a turn in flight at the kill, {s['status_502']} answered 502; nginx passed "
+        f"{s['nginx_passed_on']} requests the dead replica failed on to the next one.",
         "",
         "| what | measured | target |",
         "|---|---:|---:|",

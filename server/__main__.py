@@ -11,6 +11,9 @@ import time
 
 from server.settings import Settings
 
+# An idle kept-alive connection is closed after this long. A proxy in front must let its own idle connections
+# to the server go sooner (docker/scale/upstreams.conf: 4 s), or it may write a request into one being closed.
+KEEP_ALIVE_S = 5
 OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or the default value
     "--host": "host",
     "--port": "port",
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=1,
+        timeout_keep_alive=KEEP_ALIVE_S,
         access_log=False,  # the gate writes one line per request, with its ids
         http=guard.protocol(),
     )

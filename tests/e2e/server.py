@@ -2,38 +2,80 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.helpers import DEADLINE_S
+from tests.helpers import DEADLINE_S, wait_until
 
+# Every process the e2e tests (and bench/failover.py) start, each the leader of its own process group: what it
+# starts in turn (nginx's workers) is in that group, so ending the group ends all of it.
 SPAWNED: list[subprocess.Popen] = []
+
+
+def spawn(args: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Start `args` as the leader of a new process group (out of the terminal's, so Ctrl-C reaches only the
+    test or bench, whose cleanup then ends the group) and remember it in SPAWNED."""
+    proc = subprocess.Popen(args, start_new_session=True, **kwargs)
+    SPAWNED.append(proc)
+    return proc
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group `pgid` that still run (zombies, which hold no port or file, not counted)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]  # the name, in parentheses, may hold spaces
+        if int(pgrp) == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`'s whole process group (a master's workers too: killing the master alone leaves them
+    running, orphaned, still listening), reap `proc`, and fail unless no process of the group is left."""
+    if proc.returncode is None:  # not reaped yet, so its id is still this group's (never a newer process's)
+        with contextlib.suppress(ProcessLookupError):  # the group ended meanwhile
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    wait_until(lambda: not group_members(proc.pid), 30, f"every process of group {proc.pid} ({proc.args[0]}) to end")
+
+
+def end_all() -> None:
+    """End every process group in SPAWNED, newest first."""
+    while SPAWNED:
+        end_group(SPAWNED.pop())
 
 
 @pytest.fixture(autouse=True)
 def _kill_leftovers() -> Iterator[None]:
-    """A failing test must not leave a server running (import this fixture into the test module)."""
+    """A test, failing or not, leaves no process behind: no server, no redis-server, no nginx master or worker
+    (import this fixture into the test module)."""
     yield
-    while SPAWNED:
-        proc = SPAWNED.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    end_all()
 
 
 class Server:
     def __init__(
         self,
-        model_dir: Path,
+        model_dir: Path | None,
         state_dir: Path,
         log_path: Path,
         env: dict[str, str] | None = None,
@@ -44,7 +86,8 @@ class Server:
             self.port = s.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        args = ["serve", "--model", str(model_dir), "--port", str(self.port), "--state-dir", str(state_dir)]
+        args = ["serve", "--port", str(self.port), "--state-dir", str(state_dir)]
+        args += ["--model", str(model_dir)] if model_dir else []  # None: models/models.toml's, the default model
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
 
         def limits() -> None:
@@ -52,11 +95,10 @@ class Server:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
 
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [sys.executable, "-m", "server", *args], stdout=self.log, stderr=self.log, env=env, preexec_fn=limits
         )
-        SPAWNED.append(self.proc)
-        deadline = time.monotonic() + DEADLINE_S
+        deadline = time.monotonic() + (DEADLINE_S if model_dir else 600)  # the default's first start converts it
         while True:
             assert self.proc.poll() is None, log_path.read_text()[-3000:]
             try:
