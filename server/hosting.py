@@ -12,13 +12,15 @@ from pathlib import Path
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.kv.block_store import KNOWN_LIMIT, BlockStore
+from server.kv.fingerprints import FingerprintBoard
 from server.kv.redis_blocks import RedisBlocks
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel, ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
-from server.sessions.health import SharedStoreHealth
+from server.sessions.errors import SharedStoreUnavailable
 from server.sessions.journal import Journal
 from server.sessions.leases import RedisLeases
-from server.sessions.shared import SharedRecords
+from server.sessions.shared import SharedRecords, refuse_evicting_store
+from server.sessions.shared_state import SharedStoreState
 from server.sessions.store import SessionStore
 from server.settings import Settings, default_host_kv_budget, default_kv_budget
 
@@ -48,12 +50,19 @@ class ModelHost:
         journal = Journal(state / "sessions" if state else None)
         leases, shared = None, None
         self.redis_blocks: RedisBlocks | None = None
+        self.fingerprints: FingerprintBoard | None = None  # which K/V fingerprint each replica serves a model with
+        shared_state = None
         if settings.shared_url:  # replicas: turns leased and records committed in Redis
-            health = SharedStoreHealth()  # one view of whether Redis answers, from leases and records alike
-            leases = RedisLeases(settings.shared_url, settings.shared_lease_s, health=health)
-            shared = SharedRecords(settings.shared_url, health=health)
-            self.redis_blocks = RedisBlocks(settings.shared_url)
-            self.tiers.shared = BlockStore(self.redis_blocks, "shared", MAX_SHARED_JOBS, KNOWN_LIMIT)
+            shared_state = SharedStoreState(settings.shared_resolve_s)  # one view of Redis: leases and records
+            leases = RedisLeases(settings.shared_url, settings.shared_lease_s, state=shared_state)
+            shared = SharedRecords(settings.shared_url, state=shared_state)
+            refuse_evicting_store(shared)
+            self.redis_blocks = RedisBlocks(settings.shared_blocks_url or settings.shared_url)
+            self.tiers.shared = blocks = BlockStore(self.redis_blocks, "shared", MAX_SHARED_JOBS, KNOWN_LIMIT)
+            redis_blocks = self.redis_blocks
+            self.fingerprints = FingerprintBoard(redis_blocks.client, redis_blocks.errors, settings.replica_id)
+            shared_state.on_epoch_change(blocks.forget_known)  # blocks Redis lost are stored again
+            self.redis_blocks.watch(blocks.forget_known)  # and those of a Redis of their own
         self.store = SessionStore(
             settings.session_ttl_s,
             journal=journal,
@@ -63,6 +72,9 @@ class ModelHost:
             max_sessions_per_tenant=settings.max_sessions_per_tenant,
         )
         num_sessions = self.store.restore()
+        if shared_state is not None:  # a copy of another epoch than Redis' is one Redis lost: it goes, never back
+            shared_state.on_epoch_change(lambda: self.store.drop_other_epochs(shared_state.held_epoch()))
+            self.store.drop_other_epochs(self._shared_epoch())
         num_snapshots = self.tiers.scan(self.store.session_keys())  # K/V of sessions no record knows goes
         if state:
             log.info("state in %s: %d sessions and %d K/V snapshots found", state, num_sessions, num_snapshots)
@@ -72,6 +84,15 @@ class ModelHost:
 
     def start(self) -> None:
         self._thread.start()
+
+    def _shared_epoch(self) -> str | None:
+        """Redis' epoch now (None when it does not answer: copies are then checked as they are used)."""
+        assert self.store.shared is not None
+        try:
+            return self.store.shared.epoch()
+        except SharedStoreUnavailable:
+            log.warning("the shared store does not answer at start: this replica's copies are checked as they are used")
+            return None
 
     def wait_loaded(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
@@ -99,6 +120,8 @@ class ModelHost:
             engine.close()  # all at once: each finishes its current step in parallel
         for engine in engines:
             engine.stop()
+        if self.fingerprints is not None:
+            self.fingerprints.close()  # before its Redis client closes with the shared tier
         num_records, unsaved = self.store.save_all()
         if unsaved:
             names = ", ".join(key.name for key in unsaved[:20])
@@ -142,8 +165,8 @@ class ModelHost:
             engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded))
             engine.start()
             self.engines[state.spec.id] = engine
-            if self.redis_blocks is not None:
-                self.redis_blocks.announce(state.spec.id, engine.fingerprint)
+            if self.fingerprints is not None:
+                self.fingerprints.announce(state.spec.id, engine.fingerprint_parts)
             state.status = "ready"
             log.info("model %s ready on %s (%s)", state.spec.id, loaded.device, loaded.dtype)
 

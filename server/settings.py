@@ -87,6 +87,17 @@ class Settings(BaseSettings):
     shared_lease_s: float = Field(
         15.0, gt=0, description="a session lease's expiry: renewed while its turn runs, lost when its replica dies"
     )
+    shared_blocks_url: str | None = Field(
+        None,
+        description="redis://host:port/db of the store for shared K/V blocks, when it is not KVSERVE_SHARED_URL's: "
+        "blocks are a cache an LRU may evict, records and leases are not (docs/deploy.md)",
+    )
+    shared_resolve_s: float = Field(
+        10.0,
+        gt=0,
+        description="how long a change sent to the shared store whose answer never came is asked after before the "
+        "client is told its outcome is unknown (503 shared_store_uncertain)",
+    )
     replica_id: str = Field(
         default_factory=socket.gethostname,
         min_length=1,

@@ -40,6 +40,13 @@ class Query:
             loop.call_soon_threadsafe(_settle, self.future, value, error)
 
 
+@dataclass(slots=True, frozen=True)
+class Errand:
+    """Work another thread hands back to the engine thread, which owns the pool (answered to nobody)."""
+
+    fn: Callable[[], None]
+
+
 def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
     if future.done():
         return
@@ -58,7 +65,7 @@ class Inbox:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.is_closed = False
 
-    def put(self, item: Submission | Query | object) -> None:
+    def put(self, item: Submission | Query | Errand | object) -> None:
         self._queue.put(item)
 
     def close(self) -> None:

@@ -7,15 +7,17 @@ through its inbox (requests, questions, wake-ups) and read only the stats it pub
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from server.engine.grammar import Grammars, apply_bitmask
-from server.engine.inbox import WAKE, Inbox, Query, Submission
+from server.engine.inbox import WAKE, Errand, Inbox, Query, Submission
 from server.engine.model_runner import ModelRunner
 from server.engine.request import CANCELLED, SHUTTING_DOWN, SLOW_READER, Admitted, Failed, Finished
 from server.engine.sampler import batch_greedy, batch_sample
@@ -25,8 +27,8 @@ from server.kv import offload
 from server.kv.blocks import BlockManager
 from server.kv.offload import Offloader
 from server.models.loader import LoadedModel
-from server.sessions.errors import SessionError
-from server.sessions.record import Session
+from server.sessions.errors import SessionError, SharedStoreUncertain
+from server.sessions.record import CompletedTurn, Session
 from server.sessions.store import SessionStore
 
 log = logging.getLogger("kvserve.engine")
@@ -71,12 +73,20 @@ class EngineLoop:
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
         self.max_batch_seen = 0
         self.num_done = 0  # requests answered for good; read by others through the published stats
+        self._done_lock = threading.Lock()  # the committer answers requests too
+        self._thread: threading.Thread | None = None  # the engine thread, once it runs
+        # Replicas: a session's turn commits to Redis, which can take seconds when it does not answer (a resolved
+        # uncertain outcome); the committer does it, so the engine thread never waits on the network.
+        self._committer = (
+            ThreadPoolExecutor(1, thread_name_prefix=f"kv-commit-{self.model_id}") if store.is_shared else None
+        )
         self.stats = EngineStats(num_blocks=blocks.num_blocks)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix=f"kv-loader-{self.model_id}")
         self.grammars: Grammars | None = None  # the engine's, for the masks of constrained rows
 
     def run(self) -> None:
         """The engine thread's body, until the inbox closes; then everything still here is answered."""
+        self._thread = threading.current_thread()
         torch.set_grad_enabled(False)
         while not self._inbox.is_closed:
             items = self._inbox.take(block=not (self.scheduler.running or self.scheduler.waiting))  # books at rest
@@ -96,13 +106,18 @@ class EngineLoop:
                 self._reject(item)
             self._publish_stats()
         self._loader.shutdown(wait=False, cancel_futures=True)
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)  # every request handed to it is answered before the thread ends
 
-    def _take(self, items: list[Submission | Query]) -> None:
+    def _take(self, items: list[Submission | Query | Errand]) -> None:
         if not items and self.scheduler.is_idle:
             self.store.expire()  # the idle tick
         for item in items:
             if isinstance(item, Query):
                 item.answer()
+                continue
+            if isinstance(item, Errand):
+                item.fn()
                 continue
             try:
                 self.scheduler.add(Sequence(item.request, item.session, item.handle, self.loaded))
@@ -110,14 +125,16 @@ class EngineLoop:
                 log.exception("request %s could not start", item.request.request_id)
                 self._reject(item, Failed("internal_error", "the request could not start"))
 
-    def _reject(self, item: Submission | Query, event: Failed = SHUTTING_DOWN) -> None:
+    def _reject(self, item: Submission | Query | Errand, event: Failed = SHUTTING_DOWN) -> None:
         if isinstance(item, Query):
             item.answer()
             return
+        if isinstance(item, Errand):
+            return  # the pool is going away with the thread
         if item.session is not None:
             self.store.release(item.session)
         item.handle.push(event)
-        self.num_done += 1
+        self._count_done()
 
     def _step(self) -> None:
         self.offloader.discard_forgotten()
@@ -260,34 +277,71 @@ class EngineLoop:
     def _finish(self, seq: Sequence, event: Finished | Failed, is_complete: bool) -> None:
         if not self.scheduler.remove(seq):
             return  # already finished
-        if seq.session is not None:  # the transcript is journaled here, before the client hears of the end
-            failed = self._record(seq, seq.session, event if is_complete else None)
-            if is_complete and failed is None:
-                self.offloader.share(seq.session.key, seq.token_ids[: seq.num_computed])  # to other replicas
-            event = failed or event
-            if not self.store.is_live(seq.session.key, seq.session):  # deleted while it ran: none of it is served
-                self.offloader.forget(seq.session.key, seq.token_ids[: seq.num_computed])
-        seq.handle.push(event)
-        self.num_done += 1
-        log.debug("request %s done: %s in %.3f s", seq.request.request_id, event, time.monotonic() - seq.started)
+        if seq.session is None:
+            self._answer(seq, event)
+            return
+        turn, failed = self._turn(seq, event if is_complete else None)
+        tokens = seq.token_ids[: seq.num_computed]
+        if self._committer is not None:  # replicas: the commit may wait on Redis, the engine thread does not
+            self._committer.submit(self._record, seq, seq.session, turn, failed or event, tokens)
+        else:
+            self._record(seq, seq.session, turn, failed or event, tokens)
 
-    def _record(self, seq: Sequence, session: Session, finished: Finished | Failed | None) -> Failed | None:
-        """Release the session, with the completed turn when there is one; a failure fails the request."""
-        failed = None
-        try:
-            turn = seq.completed_turn(finished.finish_reason) if isinstance(finished, Finished) else None
-        except Exception:
-            log.exception("request %s: its turn could not be built", seq.request.request_id)
-            turn, failed = None, RECORD_FAILED
+    def _record(
+        self, seq: Sequence, session: Session, turn: CompletedTurn | None, event: Finished | Failed, tokens: list[int]
+    ) -> None:
+        """Release the session, with the completed turn when there is one (journaled, and committed to Redis with
+        replicas, before the client hears of the end); a failure fails the request. On the engine thread, or on
+        the committer's: pool work then goes back to the engine thread as errands."""
         try:
             self.store.release(session, turn)  # releases the session even when journaling raises
+        except SharedStoreUncertain as exc:  # neither "done" nor "as before": the client is told exactly that
+            log.error("request %s: %s", seq.request.request_id, exc.message)
+            event = Failed(exc.code, exc.message)
         except SessionError as exc:  # 503 or 409: the client hears the turn did not happen, and it did not
             log.error("request %s: %s", seq.request.request_id, exc.message)
-            failed = Failed(exc.code, f"{exc.message}; the session is as before this turn")
+            event = Failed(exc.code, f"{exc.message}; the session is as before this turn")
         except Exception:
             log.exception("request %s: its turn could not be recorded", seq.request.request_id)
-            failed = RECORD_FAILED
-        return failed
+            event = RECORD_FAILED
+        key, is_live = session.key, self.store.is_live(session.key, session)
+        if turn is not None and isinstance(event, Finished):
+            self._on_engine(lambda: self.offloader.share(key, tokens))  # to other replicas
+        if not is_live:  # deleted while it ran: none of it is served
+            self._on_engine(lambda: self.offloader.forget(key, tokens))
+        self._answer(seq, event)
+
+    def _turn(self, seq: Sequence, finished: Finished | Failed | None) -> tuple[CompletedTurn | None, Failed | None]:
+        """The completed turn a finished sequence makes (None: it failed, or was cancelled)."""
+        if not isinstance(finished, Finished):
+            return None, None
+        try:
+            return seq.completed_turn(finished.finish_reason), None
+        except Exception:
+            log.exception("request %s: its turn could not be built", seq.request.request_id)
+            return None, RECORD_FAILED
+
+    def _on_engine(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread: here when this is it, else between its next steps."""
+        if threading.current_thread() is self._thread:
+            fn()
+        else:
+            self._inbox.put(Errand(fn))
+
+    def _answer(self, seq: Sequence, event: Finished | Failed) -> None:
+        seq.handle.push(event)
+        self._count_done()
+        if threading.current_thread() is not self._thread:
+            self._inbox.put(WAKE)  # the engine publishes the count at its next step
+        log.debug("request %s done: %s in %.3f s", seq.request.request_id, event, time.monotonic() - seq.started)
+
+    def _count_done(self) -> None:
+        with self._done_lock:
+            self.num_done += 1
+
+    def _num_done(self) -> int:
+        with self._done_lock:
+            return self.num_done
 
     def _publish_stats(self) -> None:
         self.stats = EngineStats(
@@ -298,5 +352,5 @@ class EngineLoop:
             num_blocks_cached=self.blocks.num_cached_idle,
             num_evictions=self.blocks.num_evictions,
             num_spilled=self.offloader.num_spilled,
-            num_done=self.num_done,
+            num_done=self._num_done(),
         )

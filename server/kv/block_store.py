@@ -175,6 +175,7 @@ class BlockStore:
         except self.backend.errors as exc:
             self.stats.num_failed += len(job.names)
             log.warning("%d K/V blocks not stored in the %s tier: %s", len(job.names), self.origin, exc)
+            self.forget_known()  # the backend may have come back empty (a restart): nothing is taken as held
             return False
         self._remember(job.names)
         return True
@@ -232,6 +233,12 @@ class BlockStore:
         with self._known_lock:
             for name in names:
                 self._known.pop(name, None)
+
+    def forget_known(self) -> None:
+        """Take no block as held any more (the backend lost its data, or a write failed): each is asked for again,
+        and stored again where the backend lacks it."""
+        with self._known_lock:
+            self._known.clear()
 
     def _remember(self, names: list[str]) -> None:
         if not self._known_limit:

@@ -3,16 +3,21 @@
 Blocks live at `kvserve:blk:<address>` and are only ever added with SET NX: the address names
 the content, so a block is written once by whichever replica computed it first. Nothing here
 deletes a block a session still reaches on another replica; Redis' own `maxmemory` and
-eviction policy bound the tier. Imported only when a shared store is configured.
+eviction policy bound the tier (KVSERVE_SHARED_BLOCKS_URL: a Redis of their own, which may
+evict). Imported only when a shared store is configured.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import threading
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("kvserve.shared")
 PREFIX = "kvserve:blk:"
+EPOCH = "kvserve:blocks-epoch"  # a random id: lost with the blocks when their Redis restarts empty or is flushed
 
 
 class RedisBlocks:
@@ -21,6 +26,28 @@ class RedisBlocks:
 
         self.errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
         self.client: Any = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._stop = threading.Event()
+        self._epoch: str | None = None
+
+    def watch(self, on_loss: Callable[[], None], every_s: float = 2.0) -> None:
+        """Call `on_loss()` when this Redis is found to have lost its blocks (its epoch key gone or changed; checked
+        every `every_s` on a thread of its own): blocks taken as held are then stored again."""
+        threading.Thread(target=self._watch, args=(on_loss, every_s), name="kvserve-blocks-epoch", daemon=True).start()
+
+    def _watch(self, on_loss: Callable[[], None], every_s: float) -> None:
+        while True:
+            try:
+                self.client.set(EPOCH, secrets.token_hex(16), nx=True)
+                found = self.client.get(EPOCH)
+                epoch = found.decode() if isinstance(found, bytes) else str(found)
+                if self._epoch is not None and epoch != self._epoch:
+                    log.warning("the K/V blocks' Redis lost its data: blocks are stored again as they are used")
+                    on_loss()
+                self._epoch = epoch
+            except self.errors:
+                pass  # not answering: the writer's failures say so, and a write failure forgets the blocks held
+            if self._stop.wait(every_s):
+                return
 
     def held(self, names: list[str]) -> list[bool]:
         pipe = self.client.pipeline(transaction=False)
@@ -41,23 +68,5 @@ class RedisBlocks:
         self.client.delete(*[PREFIX + name for name in names])
 
     def close(self) -> None:
+        self._stop.set()
         self.client.close()
-
-    def announce(self, model_id: str, fingerprint: str) -> None:
-        """Say which K/V layout this replica serves `model_id` with; warn when another replica said another.
-        Replicas whose layouts differ (a dtype `auto` settled differently, other weights under one id) share
-        no block: each is correct alone, but every failover recomputes."""
-        name = f"kvserve:layout:{model_id}"
-        try:
-            held = None if self.client.set(name, fingerprint, nx=True) else self.client.get(name)
-        except self.errors:
-            log.warning("the shared store did not answer: model %s's K/V layout was not compared", model_id)
-            return
-        if held is not None and held.decode() != fingerprint:
-            log.warning(
-                "model %s: this replica's K/V layout (%s) differs from another replica's (%s): they share no "
-                "K/V blocks; pin the dtype in models.toml on every replica",
-                model_id,
-                fingerprint,
-                held.decode(),
-            )

@@ -35,6 +35,7 @@ CODE_STATUS = {
     "not_ready": 503,
     "state_unavailable": 503,
     "shared_store_unavailable": 503,
+    "shared_store_uncertain": 503,
     "internal_error": 500,
     "cancelled": 499,
     "session_not_found": 404,

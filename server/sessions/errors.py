@@ -45,3 +45,11 @@ class SharedStoreUnavailable(SessionError):
     """The shared store (Redis) did not answer: what needs it is refused, never done without it."""
 
     code = "shared_store_unavailable"
+
+
+class SharedStoreUncertain(SessionError):
+    """A change was sent to the shared store, which stopped answering before it said whether it applied, and did not
+    answer the question either within the resolve deadline: it may have applied, or may still apply until Redis
+    answers the question (which then fences it off). The client is told exactly that, never "as before"."""
+
+    code = "shared_store_uncertain"

@@ -15,15 +15,29 @@ import secrets
 import threading
 from typing import Any, Protocol
 
-from server.sessions.errors import SessionBusy, SharedStoreUnavailable
-from server.sessions.health import SharedStoreHealth
+from server.sessions.errors import SessionBusy, SharedStoreUnavailable, SharedStoreUncertain
 from server.sessions.record import SessionKey
+from server.sessions.shared_state import ABORTED_TTL_MS, EPOCH_KEY, SharedStoreState, abort_key
 
 log = logging.getLogger("kvserve.leases")
 # Delete or extend the key only while it still holds our token: a lease that expired and was taken by
 # another replica is never touched.
 GIVE_BACK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+# KEYS: lease, aborted marker of this token. ARGV: token, lease in ms. 1 when the lease is ours (now, or by this
+# very take resent), 0 when another holder has it or this take was resolved as not taken.
+TAKE = """
+if redis.call('exists', KEYS[2]) == 1 then return 0 end
+if redis.call('get', KEYS[1]) == ARGV[1] then return 1 end
+if redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+# KEYS: lease, aborted marker. ARGV: token, the marker's TTL. Whether a take whose answer never came holds the lease.
+RESOLVE_TAKE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return 'applied' end
+redis.call('set', KEYS[2], '1', 'PX', ARGV[2])
+return 'aborted'
+"""
 
 
 class Leases(Protocol):
@@ -89,32 +103,50 @@ class LocalLeases:
 
 
 class RedisLeases:
-    def __init__(
-        self, url: str, lease_s: float, timeout_s: float = 1.0, health: SharedStoreHealth | None = None
-    ) -> None:
-        """`health`: whether the shared store answers, as every user of it sees (a new one when not given)."""
+    def __init__(self, url: str, lease_s: float, timeout_s: float = 1.0, state: SharedStoreState | None = None) -> None:
+        """`state`: whether the shared store answers and its epoch, as every user of it sees (a new one when not
+        given); the renewer reads the epoch on each round, so a Redis that lost its data is noticed soon."""
         import redis  # only with a shared store configured
 
         self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
         self.client: Any = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.lease_ms = int(lease_s * 1000)
         self._give_back, self._renew = self.client.register_script(GIVE_BACK), self.client.register_script(RENEW)
+        self._take, self._resolve = self.client.register_script(TAKE), self.client.register_script(RESOLVE_TAKE)
         self._held: dict[str, str] = {}  # redis key -> our token
         self._lock = threading.Lock()
-        self.health = health or SharedStoreHealth()  # the renewer pings when it has nothing to renew
+        self.state = state or SharedStoreState()
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_loop, name="kvserve-leases", daemon=True)
         self._renewer.start()
 
     def take(self, key: SessionKey) -> str | None:
+        """Our token when the lease is ours now, None when another holder has it. Raises SharedStoreUnavailable (not
+        taken). A take whose answer never came is resolved first: taken, or fenced off so that it never is."""
         name, token = _name(key), secrets.token_hex(16)
-        ticket = self.health.ticket()
+        ticket = self.state.ticket()
         try:
-            taken = self.client.set(name, token, nx=True, px=self.lease_ms)
+            self.client.ping()  # a connection that answers: an error below may have left the take in Redis
         except self._errors as exc:
-            self.health.report(ticket, False)
+            self.state.report(ticket, False)
             raise SharedStoreUnavailable(f"the shared store did not answer ({type(exc).__name__})") from exc
-        self.health.report(ticket, True)
+        ticket = self.state.ticket()
+        try:
+            taken = bool(self._take(keys=[name, abort_key(token)], args=[token, self.lease_ms]))
+            self.state.report(ticket, True)
+        except self._errors:
+            self.state.report(ticket, False)
+            keys = [name, abort_key(token)]
+            what = f"the lease of {key.kind} {key.name!r}"
+            try:
+                answer = self.state.resolve(
+                    lambda: self._resolve(keys=keys, args=[token, ABORTED_TTL_MS]), what, self._errors
+                )
+            except SharedStoreUncertain:  # a take that may still run: the lease then expires on its own
+                raise SharedStoreUnavailable(f"{what} was not taken: the shared store did not answer") from None
+            if answer != b"applied":
+                raise SharedStoreUnavailable(f"{what} was not taken: the shared store did not answer") from None
+            taken = True
         if not taken:
             return None
         with self._lock:
@@ -122,6 +154,7 @@ class RedisLeases:
         return token
 
     def give_back(self, key: SessionKey, token: str) -> None:
+        """Compare-and-delete: idempotent, and a late one never touches a lease taken since (another token)."""
         name = _name(key)
         with self._lock:
             self._held.pop(name, None)
@@ -137,28 +170,34 @@ class RedisLeases:
 
     @property
     def is_up(self) -> bool | None:
-        return self.health.is_up
+        return self.state.is_up
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.lease_ms / 3000):
             self.renew_once()
 
     def renew_once(self) -> None:
-        """Extend every lease held (or ping, holding none), and record whether the store answered."""
+        """Extend every lease held (or ping, holding none), read the store's epoch, and record whether it
+        answered."""
         with self._lock:
             held = list(self._held.items())
-        ticket = self.health.ticket()
+        ticket = self.state.ticket()
         try:
             for name, token in held:
                 if not self._renew(keys=[name], args=[token, self.lease_ms]):
                     log.warning("lease %s was lost (expired before it was renewed)", name)
             if not held:
                 self.client.ping()
+            found = self.client.get(EPOCH_KEY)
+            if found is None:
+                self.state.read_epoch(self.client)  # lost with the rest: a new one, and the listeners run
+            else:
+                self.state.seen(found.decode())
         except self._errors:
-            if self.health.report(ticket, False):
+            if self.state.report(ticket, False):
                 log.warning("the shared store does not answer: session turns are refused until it does")
         else:
-            if self.health.report(ticket, True) is False:
+            if self.state.report(ticket, True) is False:
                 log.info("the shared store answers again")
 
 

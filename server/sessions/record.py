@@ -73,7 +73,11 @@ class Session:
     last_use: float = 0.0  # monotonic clock
     last_use_wall: float = 0.0  # unix time, for reporting and restarts
     is_in_use: bool = False
-    rev: int = 0  # how many times the record was written: the shared store commits a change only on top of this
+    rev: int = 0  # how many times the record was written
+    # The operation that wrote the record (replicas: a change commits only on top of the one it read) and the
+    # shared store's epoch it was written in ("": never shared; see shared_state.py)
+    op: str = ""
+    epoch: str = ""
     # Made on first use by the request holding it, which has not ended yet: if that request fails (or is cancelled),
     # the session goes with it (nothing is left behind, as a failed turn leaves a session as it was)
     is_claim: bool = False
@@ -168,6 +172,8 @@ class Session:
             "created_at": self.created_at,
             "last_used_at": self.last_use_wall,
             "rev": self.rev,
+            "op": self.op,
+            "epoch": self.epoch,
         }
 
     @classmethod
@@ -192,6 +198,8 @@ class Session:
             last_use=now_mono - max(0.0, now_wall - last_wall),
             last_use_wall=last_wall,
             rev=int(data.get("rev", 0)),
+            op=str(data.get("op") or ""),
+            epoch=str(data.get("epoch") or ""),
         )
 
 

@@ -26,6 +26,7 @@ from server.sessions.journal import Journal
 from server.sessions.leases import LeaseBook, Leases, LocalLeases
 from server.sessions.record import CompletedTurn, Session, SessionKey
 from server.sessions.shared import SharedRecords
+from server.sessions.shared_state import new_op
 from server.sessions.sync import Forgetter, StoreSync
 
 log = logging.getLogger("kvserve.sessions")
@@ -86,7 +87,7 @@ class SessionStore(StoreSync):
             session = self._new(key, model_id, ttl_s)
             for name, value in fields.items():
                 setattr(session, name, value)
-            self._save(key, session.to_record(), expected_rev=0)
+            self._save(session, expected_op="")
             self._insert(session)
         return session
 
@@ -123,7 +124,7 @@ class SessionStore(StoreSync):
                 self._check_room(key)
                 session = self._new(key, model_id, None)
                 if not key.is_bucket:
-                    self._save(key, session.to_record(), expected_rev=0)
+                    self._save(session, expected_op="")
                     session.is_claim = True
                 self._insert(session)
             session.check_mode(is_chat)
@@ -168,7 +169,7 @@ class SessionStore(StoreSync):
                 if staged is not None:
                     session.transcript_ids, session.turns = staged.transcript_ids, staged.turns
                     session.messages, session.extras, session.rev = staged.messages, staged.extras, staged.rev
-                    session.tools = staged.tools
+                    session.tools, session.op, session.epoch = staged.tools, staged.op, staged.epoch
                 session.is_in_use = False
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
                 if is_live:
@@ -181,12 +182,18 @@ class SessionStore(StoreSync):
         session.is_claim = False
 
     def _journal_turn(self, session: Session, turn: CompletedTurn) -> Session:
-        """The session with `turn` applied, written to the journal; raises with nothing changed."""
+        """The session with `turn` applied, committed to the shared store (outside the store's lock: it may wait
+        on the network; the session is in use, so nothing else here changes it meanwhile) and the journal;
+        raises with nothing changed."""
         with self._lock:
             staged = session.with_turn(turn, self._turn_hooks.get(session.key.kind), self._wall())
-            staged.rev = session.rev + 1
-            if self._sessions.get(session.key) is session:  # deleted meanwhile: its state belongs to nobody
-                self._save(session.key, staged.to_record(), expected_rev=session.rev)
+            staged.rev, staged.op = session.rev + 1, new_op()
+            if self._sessions.get(session.key) is not session:
+                return staged  # deleted meanwhile: its state belongs to nobody
+        self._commit_shared(staged, expected_op=session.op)
+        with self._lock:
+            if self._sessions.get(session.key) is session:
+                self._journal_save(staged)
         return staged
 
     # -- changing ---------------------------------------------------------------------
@@ -201,10 +208,11 @@ class SessionStore(StoreSync):
             session.check_turn(num_turns)
             staged = session.copy()
             staged.cut(num_turns)
-            staged.rev = session.rev + 1
-            self._save(key, staged.to_record(), expected_rev=session.rev)
+            staged.rev, staged.op = session.rev + 1, new_op()
+            self._save(staged, expected_op=session.op)
             self._index.retranscribe(session, staged.transcript_ids)
             session.turns, session.messages, session.rev = staged.turns, staged.messages, staged.rev
+            session.op, session.epoch = staged.op, staged.epoch
             session.last_use, session.last_use_wall = self._clock(), self._wall()
             self._index.touch(session)
         return session
@@ -246,6 +254,25 @@ class SessionStore(StoreSync):
         self._drop_tiers(key)
         return True
 
+    def drop_other_epochs(self, epoch: str | None) -> int:
+        """Replicas: forget every idle copy not committed in Redis' epoch `epoch` (Redis lost its data since, so
+        they are gone; none is ever written back). One in use goes when it is next refreshed. Returns how many."""
+        if self.shared is None or epoch is None:
+            return 0
+        with self._lock:
+            stale = [s for s in self._sessions.values() if not s.key.is_bucket and not s.is_in_use and s.epoch != epoch]
+            for session in stale:
+                try:
+                    self.journal.delete(session.key)
+                except OSError:
+                    log.exception("the record of session %s could not be removed", session.key.name)
+                self._remove(session)
+        for session in stale:
+            self._drop_tiers(session.key)
+        if stale:
+            log.warning("%d sessions the shared store no longer holds were dropped", len(stale))
+        return len(stale)
+
     def expire(self) -> None:
         with self._lock:
             self._expire_locked()
@@ -268,21 +295,37 @@ class SessionStore(StoreSync):
             limit = self.max_sessions_per_tenant
             raise QuotaExceeded(f"this tenant already has {limit} sessions (limit {limit}); delete some")
 
-    def _save(self, key: SessionKey, record: dict[str, Any], expected_rev: int) -> None:
-        """The shared store first (it refuses a change on top of a revision another replica moved on from), then
-        the journal. Raises SessionBusy, SharedStoreUnavailable or StateUnavailable, with nothing applied."""
-        if self.shared is not None and not key.is_bucket:
-            self.shared.save(key, record, expected_rev)
+    def _save(self, staged: Session, expected_op: str) -> None:
+        """The shared store first (it refuses a change on top of one another replica moved on from), then the
+        journal. Raises SessionBusy, SharedStoreUnavailable or StateUnavailable, with nothing applied, or
+        SharedStoreUncertain."""
+        if not staged.op:
+            staged.op = new_op()
+        self._commit_shared(staged, expected_op)
+        self._journal_save(staged)
+
+    def _commit_shared(self, staged: Session, expected_op: str) -> None:
+        """With replicas: commit `staged` (its op) on top of `expected_op`, stamped with Redis' epoch."""
+        if self.shared is not None and not staged.key.is_bucket:
+            staged.epoch = self.shared.epoch()
+            self.shared.save(staged.key, staged.to_record(), expected_op)
+
+    def _journal_save(self, staged: Session) -> None:
+        """One process: the journal is the truth, so a change it refuses is not applied (StateUnavailable).
+        Replicas: the shared store is, and it has the change by now; this replica's journal only caches it."""
         try:
-            self.journal.save(key, record)
+            self.journal.save(staged.key, staged.to_record())
         except OSError as exc:
-            raise StateUnavailable(f"session {key.name!r} could not be saved: {exc.strerror or exc}") from exc
+            if self.shared is not None and not staged.key.is_bucket:
+                log.warning("session %s: committed, but not journaled here (%s)", staged.key.name, exc.strerror or exc)
+                return
+            raise StateUnavailable(f"session {staged.key.name!r} could not be saved: {exc.strerror or exc}") from exc
 
     def _delete_locked(self, session: Session) -> None:
         """Remove a session from the shared store, the journal (StateUnavailable: nothing forgotten) and memory."""
         key = session.key
         if self.shared is not None and not key.is_bucket:
-            self.shared.delete(key, session.ttl_s)  # every replica's copy is stale from now on
+            self.shared.delete(key, session.ttl_s, new_op())  # every replica's copy is stale from now on
         if not key.is_bucket:
             try:
                 self.journal.delete(key)

@@ -5,12 +5,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from server.sessions.errors import SessionBusy
 from server.sessions.journal import Journal
 from server.sessions.reads import StoreReads
 from server.sessions.record import Session, SessionKey
@@ -44,28 +42,26 @@ class StoreSync(StoreReads):
         raise NotImplementedError
 
     def _refresh(self, key: SessionKey) -> None:
-        """Bring this replica's copy of `key` up to the shared record: another replica may have created it,
-        moved it on or deleted it. One in use here is left alone (its turn commits on top of the revision it
-        read, or is refused). Raises SharedStoreUnavailable."""
+        """Bring this replica's copy of `key` up to the shared record, which is the truth: another replica may have
+        created it, moved it on or deleted it, and Redis may have lost it. One in use here is left alone (its turn
+        commits on top of the operation it read, or is refused). Raises SharedStoreUnavailable."""
         if self.shared is None or key.is_bucket:
             return
         found = self.shared.load(key)
-        lost = None
         with self._lock:
             local = self._sessions.get(key)
             if local is not None and local.is_in_use:
                 return
-            if found == GONE:
+            if found == GONE or found is None:
+                # Deleted, expired, or lost with Redis' data: a copy here is never written back (it could be one
+                # another replica deleted, or behind the last turn a client was told of).
                 if local is not None:
+                    if found is None:
+                        log.info("session %s: the shared store holds no record of it; this copy is dropped", key.name)
                     self._forget_deleted(local)
                 return
-            if found is None:  # never shared, or Redis lost it (flushed, evicted): this copy is the best there is
-                lost = local.to_record() if local is not None else None
-            elif isinstance(found, dict):
+            if isinstance(found, dict):
                 self._adopt(key, found, local)
-        if lost is not None:
-            with contextlib.suppress(SessionBusy):  # another replica wrote it meanwhile: the next refresh reads it
-                self.shared.save(key, lost, expected_rev=0)
 
     def _adopt(self, key: SessionKey, record: dict[str, Any], local: Session | None) -> None:
         try:
@@ -73,8 +69,16 @@ class StoreSync(StoreReads):
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("the shared record of %s is unreadable, this replica's copy is kept: %s", key.name, exc)
             return
-        if found.key != key or (local is not None and local.rev >= found.rev):
+        if found.key != key or (local is not None and local.op == found.op):
             return
+        if local is not None and local.rev > found.rev:
+            log.warning(
+                "session %s: the shared store holds revision %d, older than this replica's %d (its data was restored "
+                "from an older snapshot?): the shared record is taken",
+                key.name,
+                found.rev,
+                local.rev,
+            )
         if local is None:
             self.journal.revive(key)  # this replica may have deleted the name before; another one reused it
             for forgetter in self._forgetters:
@@ -84,6 +88,7 @@ class StoreSync(StoreReads):
             self._index.retranscribe(local, found.transcript_ids)
             local.transcript_ids, local.turns, local.messages = found.transcript_ids, found.turns, found.messages
             local.extras, local.ttl_s, local.parent, local.rev = found.extras, found.ttl_s, found.parent, found.rev
+            local.tools, local.op, local.epoch = found.tools, found.op, found.epoch
         try:
             self.journal.save(key, record)
         except OSError:

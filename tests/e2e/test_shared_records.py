@@ -11,7 +11,6 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from server.kv.redis_blocks import RedisBlocks
 from server.sessions.errors import SessionBusy
 from server.sessions.journal import Journal
 from server.sessions.leases import LocalLeases
@@ -212,15 +211,3 @@ def test_a_name_deleted_here_and_reused_elsewhere_is_journaled_here_again(tmp_pa
     b.create(key, "m")  # a new session under the same name
     assert a.view(key) is not None  # a reads it from Redis...
     assert a.journal.path_for(key).exists()  # ...and journals it, though it deleted that name before
-
-
-def test_replicas_with_different_kv_layouts_are_told(tmp_path, caplog):
-    server = Redis(tmp_path)
-    first, second = RedisBlocks(server.url), RedisBlocks(server.url)
-    first.announce("m", "layers=2,dtype=float32")
-    second.announce("m", "layers=2,dtype=float32")
-    assert "differs" not in caplog.text
-    second.announce("m", "layers=2,dtype=bfloat16")
-    assert "share no K/V blocks; pin the dtype" in caplog.text
-    first.close()
-    second.close()
