@@ -37,7 +37,7 @@ step "build the redis and nginx images (same Debian base)"
 compose build redis nginx
 
 step "up: redis, kvserve-1..3, nginx"
-compose up -d redis kvserve-1 kvserve-2 kvserve-3 nginx
+compose up -d redis redis-blocks kvserve-1 kvserve-2 kvserve-3 nginx
 
 step "every replica ready behind nginx (each converts the model into its own volume first)"
 header() { grep -i "^$1:" | head -n1 | cut -d' ' -f2; }
@@ -76,7 +76,7 @@ transcript=$(($(field '["usage"]["prompt_tokens"]') + $(field '["usage"]["comple
 echo "turn 2 on $home, transcript now $transcript tokens"
 
 step "Redis holds the session's K/V blocks"
-blocks=$(podman exec "${PROJECT}_redis_1" redis-cli --scan --pattern 'kvserve:blk:*' | wc -l)
+blocks=$(podman exec "${PROJECT}_redis-blocks_1" redis-cli --scan --pattern 'kvserve:blk:*' | wc -l)
 echo "$blocks blocks in Redis"
 [ "$blocks" -gt 0 ] || fail "no K/V block in Redis"
 

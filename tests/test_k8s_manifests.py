@@ -38,11 +38,14 @@ def test_the_manifests_are_valid_kubernetes(version):
     assert done.stdout.count("passed") == len(documents())
 
 
-def test_the_manifests_wire_affinity_probes_drain_and_a_bounded_redis():
+def test_the_manifests_wire_affinity_probes_drain_and_redis_for_records_and_blocks():
     docs = documents()
     ingress = docs[("Ingress", "kvserve")]
     assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_session_id"
     assert ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    # A POST whose pod failed before answering goes to the next pod, as with docker/scale/nginx.conf.
+    retried = ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-next-upstream"].split()
+    assert {"error", "non_idempotent"} <= set(retried)
 
     pod = docs[("Deployment", "kvserve")]["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -63,10 +66,22 @@ def test_the_manifests_wire_affinity_probes_drain_and_a_bounded_redis():
     grace = float(env["KVSERVE_SHUTDOWN_GRACE_S"]["value"])
     assert pod["terminationGracePeriodSeconds"] > grace + container["lifecycle"]["preStop"]["sleep"]["seconds"]
 
-    redis = docs[("StatefulSet", "kvserve-redis")]["spec"]["template"]["spec"]["containers"][0]
-    args = redis["args"]
+    # Records and leases: a Redis that never evicts (kvserve refuses one that could) and keeps its data.
+    records = docs[("StatefulSet", "kvserve-redis")]["spec"]["template"]["spec"]["containers"][0]
+    args = records["args"]
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    assert args[args.index("--appendonly") + 1] == "yes"
+    data = next(m for m in records["volumeMounts"] if m["mountPath"] == args[args.index("--dir") + 1])
+    claims = docs[("StatefulSet", "kvserve-redis")]["spec"]["volumeClaimTemplates"]
+    assert data["name"] in {c["metadata"]["name"] for c in claims}
+    # K/V blocks: a cache in a Redis of its own, bounded below its container's memory, evicting the oldest.
+    blocks_service = docs[("Service", "kvserve-redis-blocks")]
+    blocks_port = blocks_service["spec"]["ports"][0]["port"]
+    assert env["KVSERVE_SHARED_BLOCKS_URL"]["value"] == f"redis://kvserve-redis-blocks:{blocks_port}/0"
+    blocks = docs[("StatefulSet", "kvserve-redis-blocks")]["spec"]["template"]["spec"]["containers"][0]
+    args = blocks["args"]
     maxmemory = args[args.index("--maxmemory") + 1]
     assert maxmemory.endswith("mb")
     assert int(maxmemory[:-2]) * 2**20 < 2**30  # below the container's 1Gi limit
-    assert redis["resources"]["limits"]["memory"] == "1Gi"
+    assert blocks["resources"]["limits"]["memory"] == "1Gi"
     assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
