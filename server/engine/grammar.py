@@ -10,7 +10,9 @@ constrained and free rows still share one forward pass and one batched argmax or
 
 from __future__ import annotations
 
+import hashlib
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +23,7 @@ from server.errors import Refused
 
 MAX_GRAMMAR_ERROR = 300  # characters of the library's message kept in a 400 or a log line
 MAX_PROBE_STEPS = 64  # forced stretches walked at compile time (a tool call's opening is a few)
+MAX_HELD_GRAMMARS = 4096  # grammars remembered (by digest) as validated and walked
 
 
 class GrammarError(Refused):
@@ -83,6 +86,9 @@ class Grammars:
         self._tokenizer: Any = None
         self._lock = threading.Lock()
         self._executor: Any = None
+        # Grammars already validated and walked: agents send the same tools and schemas every turn, and the walk
+        # costs a few mask computations per function. Only what passed is kept (a refusal is checked anew).
+        self._held: OrderedDict[bytes, None] = OrderedDict()  # digests of grammar text and starts
 
     def _llg_tokenizer(self) -> Any:
         with self._lock:  # built once, on the first request that needs it (about a second)
@@ -119,18 +125,27 @@ class Grammars:
         import llguidance
 
         tokenizer, limits = self._llg_tokenizer(), _limits()
-        message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
-        if message and not message.startswith("WARNING"):
-            raise GrammarError(f"the schema or grammar cannot be compiled: {reason(message)}")
+        key = hashlib.blake2b(repr((grammar, sorted((starts or {}).items()))).encode(), digest_size=16).digest()
+        with self._lock:
+            is_held = key in self._held
+        if not is_held:
+            message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
+            if message and not message.startswith("WARNING"):
+                raise GrammarError(f"the schema or grammar cannot be compiled: {reason(message)}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise GrammarError(f"the schema or grammar cannot be compiled: {reason(matcher.get_error())}")
-        probe(matcher, tokenizer)
-        for label, start in (starts or {}).items():
-            try:
-                probe(matcher, tokenizer, start)
-            except GrammarError as exc:
-                raise GrammarError(f"{label}: {exc.message}") from exc
+        if not is_held:
+            probe(matcher, tokenizer)
+            for label, start in (starts or {}).items():
+                try:
+                    probe(matcher, tokenizer, start)
+                except GrammarError as exc:
+                    raise GrammarError(f"{label}: {exc.message}") from exc
+            with self._lock:
+                self._held[key] = None
+                while len(self._held) > MAX_HELD_GRAMMARS:
+                    self._held.popitem(last=False)
         return Constraint(matcher)
 
     def fill_masks(self, constraints: list[Constraint]) -> torch.Tensor:

@@ -117,7 +117,10 @@ class EngineLoop:
                 item.answer()
                 continue
             if isinstance(item, Errand):
-                item.fn()
+                try:
+                    item.fn()
+                except Exception:  # best-effort pool work (sharing, forgetting): the rest of the batch goes on
+                    log.exception("an errand on the engine thread failed")
                 continue
             try:
                 self.scheduler.add(Sequence(item.request, item.session, item.handle, self.loaded))
@@ -304,11 +307,14 @@ class EngineLoop:
         except Exception:
             log.exception("request %s: its turn could not be recorded", seq.request.request_id)
             event = RECORD_FAILED
-        key, is_live = session.key, self.store.is_live(session.key, session)
-        if turn is not None and isinstance(event, Finished):
-            self._on_engine(lambda: self.offloader.share(key, tokens))  # to other replicas
-        if not is_live:  # deleted while it ran: none of it is served
-            self._on_engine(lambda: self.offloader.forget(key, tokens))
+        try:
+            key, is_live = session.key, self.store.is_live(session.key, session)
+            if turn is not None and isinstance(event, Finished):
+                self._on_engine(lambda: self.offloader.share(key, tokens))  # to other replicas
+            if not is_live:  # deleted while it ran: none of it is served
+                self._on_engine(lambda: self.offloader.forget(key, tokens))
+        except Exception:  # what follows the record is best effort; the client is answered whatever happens
+            log.exception("request %s: after its turn was recorded", seq.request.request_id)
         self._answer(seq, event)
 
     def _turn(self, seq: Sequence, finished: Finished | Failed | None) -> tuple[CompletedTurn | None, Failed | None]:

@@ -13,7 +13,9 @@ prompt never stalls running streams.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.engine.config import EngineConfig
@@ -90,11 +92,11 @@ class Scheduler:
         self.waiting.extendleft(reversed(loaded))  # back at the head, in their order of arrival
         admitted = []
         for seq in list(self.waiting):
-            # What the pool holds of the prompt, all but its last token (computed anyway, for its logits)
-            match = self.manager.match(seq.salt, seq.request.prompt_ids, seq.num_prompt - 1) if seq.use_cache else None
+            # Asked only of a prompt that may be admitted, or that shares blocks a leader has not computed yet
+            match = functools.cache(functools.partial(self._match, seq))
             if self._awaits_leader(seq, match):
                 continue  # stays in the queue; those behind it may go
-            admission = self._plan(seq, match)
+            admission = self._plan(seq, match())
             if admission is None:
                 break
             self.waiting.remove(seq)
@@ -107,7 +109,11 @@ class Scheduler:
             admitted.append(admission)
         return admitted
 
-    def _awaits_leader(self, seq: Sequence, match: Match | None) -> bool:
+    def _match(self, seq: Sequence) -> Match | None:
+        """What the pool holds of the prompt, all but its last token (computed anyway, for its logits)."""
+        return self.manager.match(seq.salt, seq.request.prompt_ids, seq.num_prompt - 1) if seq.use_cache else None
+
+    def _awaits_leader(self, seq: Sequence, match: Callable[[], Match | None]) -> bool:
         """Whether a running prefill of the same tenant is computing blocks of this prompt's prefix right now.
 
         Conversations that open with the same new system prompt at once would each compute it; the first
@@ -120,15 +126,17 @@ class Scheduler:
         one per step. A leader admitted here with a snapshot to restore holds its followers back one step: its
         blocks are published before the next admission and shared then, not computed twice.
         """
-        if match is None:
+        if not seq.use_cache:
             return False
         bs, prompt = self.config.block_size, seq.request.prompt_ids
-        num_in_pool = len(match.shared)  # full blocks of this prompt the pool can give now
         for leader in self.running:
             if leader.is_prefilled or not leader.use_cache or leader.salt != seq.salt:
                 continue
             shared = min(common_prefix_len(leader.request.prompt_ids, prompt), len(prompt) - 1) // bs
-            if shared >= MIN_SHARED_BLOCKS and shared > max(num_in_pool, leader.num_computed // bs):
+            if shared < MIN_SHARED_BLOCKS or shared <= leader.num_computed // bs:
+                continue
+            found = match()  # the full blocks of this prompt the pool can give now
+            if shared > (len(found.shared) if found is not None else 0):
                 return True
         return False
 

@@ -46,6 +46,8 @@ class RedisBlocks:
                 self._epoch = epoch
             except self.errors:
                 pass  # not answering: the writer's failures say so, and a write failure forgets the blocks held
+            except Exception:  # never let the watcher die
+                log.exception("watching the K/V blocks' Redis failed")
             if self._stop.wait(every_s):
                 return
 

@@ -29,7 +29,6 @@ PLACEHOLDER = "kvserve-seen-message-{}"
 
 
 def render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: bool, tools: ToolUse | None = None) -> str:
-    check_chat_size(loaded, messages, tools)  # a conversation that cannot fit is never rendered
     tokenizer = loaded.tokenizer
     template = chat_template(tokenizer, tools)
     if not template:
@@ -55,7 +54,9 @@ def tokenize(loaded: LoadedModel, text: str) -> list[int]:
 def prompt_ids(
     loaded: LoadedModel, messages: list[dict], session: Session | None, tools: ToolUse | None = None
 ) -> list[int]:
-    """The prompt for `messages`: the session's transcript + the new messages when they extend it."""
+    """The prompt for `messages`: the session's transcript + the new messages when they extend it. A conversation
+    whose text cannot fit the context is refused first, never rendered."""
+    check_chat_size(loaded, messages, tools)
     if session is not None:
         ids = continued_ids(loaded, messages, session, tools)
         if ids is not None:

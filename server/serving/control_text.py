@@ -27,11 +27,12 @@ MARK_PREFIX = "\ue000" + NONCE
 
 
 @lru_cache(maxsize=16)
-def _pattern(specials: tuple[str, ...]) -> re.Pattern[str] | None:
-    """Leftmost, longest first, as a tokenizer matches them."""
+def _pattern(specials: tuple[str, ...]) -> tuple[re.Pattern[str], dict[str, int]] | None:
+    """Leftmost, longest first, as a tokenizer matches them; and each spelling's index (what its mark names)."""
     if not specials:
         return None
-    return re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+    pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+    return pattern, {s: i for i, s in enumerate(specials)}
 
 
 @lru_cache(maxsize=16)
@@ -46,11 +47,10 @@ def special_tokens(tokenizer: Any) -> tuple[str, ...]:
 
 def mark(tokenizer: Any, value: Any) -> Any:
     """`value` (a string, or lists and dicts of them) with every control-token spelling swapped for its mark."""
-    specials = special_tokens(tokenizer)
-    pattern = _pattern(specials)
-    if pattern is None:
+    found = _pattern(special_tokens(tokenizer))
+    if found is None:
         return value
-    index = {s: i for i, s in enumerate(specials)}
+    pattern, index = found
 
     def swap(found: re.Match[str]) -> str:
         return f"{MARK_PREFIX}{index[found.group()]}\ue001"

@@ -14,6 +14,7 @@ rest `input_tokens`. Its `ttl` becomes the TTL of a session the request creates.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -31,7 +32,7 @@ from server.serving.message_run import MessageRun
 from server.serving.prompts import check_text_size, output_budget
 from server.serving.tool_reader import Reading
 from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, canonical_arguments
-from server.sessions.errors import SessionBusy
+from server.sessions.errors import SessionBusy, SessionError
 from server.sessions.record import Session, SessionKey
 
 
@@ -93,7 +94,8 @@ class Messages:
             handle, admitted = await serving.start(engine, gen, http)
         except BaseException:
             if made is not None:
-                self.store.discard_unused(made)
+                with contextlib.suppress(SessionError):  # best effort: the refusal is what the client hears
+                    await serving.off_loop(self.store.discard_unused, made)
             raise
         reader = reading.reader()
         run = MessageRun(reading.request_id, engine.model_id, reader, min(boundary, len(ids)), admitted, ttl)

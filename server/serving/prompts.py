@@ -16,7 +16,10 @@ from server.serving.tools import ToolUse, canonical_arguments, content_beside_ca
 def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
     """A prompt whose text alone must exceed the context is refused by its size, before any tokenizing:
     no token covers more than `max_token_bytes` bytes, so bytes / max_token_bytes tokens at least."""
-    num_bytes = sum(len(text.encode()) for text in texts)
+    _check_bytes(loaded, sum(len(text.encode()) for text in texts), param)
+
+
+def _check_bytes(loaded: LoadedModel, num_bytes: int, param: str) -> None:
     at_least = num_bytes // loaded.max_token_bytes
     if at_least > loaded.max_context:
         message = (
@@ -32,10 +35,11 @@ def check_chat_size(loaded: LoadedModel, messages: list[dict[str, Any]], tools: 
     the prompt holds."""
     texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
     texts += [call["function"]["arguments"] for m in messages for call in m.get("tool_calls") or []]
-    check_text_size(loaded, texts, "messages")
+    num_bytes = sum(len(text.encode()) for text in texts)
+    _check_bytes(loaded, num_bytes, "messages")
     if tools is not None and tools.specs:
         definitions = json.dumps(tools.definitions(), ensure_ascii=False, separators=(",", ":"))
-        check_text_size(loaded, [*texts, definitions], "tools")
+        _check_bytes(loaded, num_bytes + len(definitions.encode()), "tools")
 
 
 def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:

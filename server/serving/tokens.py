@@ -12,7 +12,7 @@ from server.openai.formats import DetokenizeRequest, TokenizeRequest
 from server.openai.schemas import ChatCompletionRequest
 from server.serving import continuation
 from server.serving.core import Serving
-from server.serving.prompts import chat_messages, check_text_size, checked_ids
+from server.serving.prompts import chat_messages, check_chat_size, check_text_size, checked_ids
 from server.serving.tools import tool_use
 
 
@@ -27,12 +27,14 @@ class Tokens:
 
         def body() -> dict[str, Any]:
             """Checking the messages and tools as chat does, rendering, tokenizing and naming the tokens: all off
-            the event loop (a tool's schema may be megabytes; rendering checks the size first)."""
+            the event loop."""
             if req.prompt is not None:
                 tokens = list(loaded.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
             else:
                 chat = _as_chat(req)
-                text = continuation.render(loaded, chat_messages(chat), req.add_generation_prompt, tool_use(chat))
+                messages, tools = chat_messages(chat), tool_use(chat)
+                check_chat_size(loaded, messages, tools)  # before rendering: a tool's schema may be megabytes
+                text = continuation.render(loaded, messages, req.add_generation_prompt, tools)
                 tokens = continuation.tokenize(loaded, text)
             found: dict[str, Any] = {"count": len(tokens), "max_model_len": loaded.max_context, "tokens": tokens}
             if req.return_token_strs:

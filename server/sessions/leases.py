@@ -142,8 +142,11 @@ class RedisLeases:
                 answer = self.state.resolve(
                     lambda: self._resolve(keys=keys, args=[token, ABORTED_TTL_MS]), what, self._errors
                 )
-            except SharedStoreUncertain:  # a take that may still run: the lease then expires on its own
-                raise SharedStoreUnavailable(f"{what} was not taken: the shared store did not answer") from None
+            except SharedStoreUncertain:  # a take that may still run: the turn does not; such a lease expires
+                raise SharedStoreUnavailable(
+                    f"{what} was not taken: the shared store did not answer (if it takes it late, the session is busy "
+                    "on other replicas until the lease expires)"
+                ) from None
             if answer != b"applied":
                 raise SharedStoreUnavailable(f"{what} was not taken: the shared store did not answer") from None
             taken = True
@@ -174,7 +177,10 @@ class RedisLeases:
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.lease_ms / 3000):
-            self.renew_once()
+            try:
+                self.renew_once()
+            except Exception:  # never let the renewer die: leases held would expire mid-turn
+                log.exception("renewing leases failed")
 
     def renew_once(self) -> None:
         """Extend every lease held (or ping, holding none), read the store's epoch, and record whether it

@@ -103,10 +103,9 @@ class SharedRecords:
         """Commit `record` (its `op` and `rev`) only if the shared copy is still the one `expected_op` wrote ("":
         none). Raises SessionBusy when another replica moved it on, SharedStoreUnavailable when it was not
         applied because Redis did not answer or lost its data, SharedStoreUncertain when that cannot be known."""
-        epoch = self.epoch()
-        op = record["op"]
+        op = record["op"]  # and record["epoch"]: the epoch it was read in, which the script checks
         keys = [_record(key), _tombstone(key), EPOCH_KEY, abort_key(op)]
-        args = [epoch, expected_op, op, record["rev"], json.dumps(record, separators=(",", ":"))]
+        args = [record["epoch"], expected_op, op, record["rev"], json.dumps(record, separators=(",", ":"))]
         args.append(_ms(float(record["ttl_s"])))
         answer = self._change(lambda: self._save(keys=keys, args=args), key, op, f"{key.kind} {key.name!r}: a change")
         if answer.startswith(b"moved:"):
@@ -151,9 +150,8 @@ class SharedRecords:
                 raise SharedStoreUnavailable(f"{what} was not applied: the shared store did not answer") from None
             return b"ok"
         if answer == b"epoch":
-            self.state.forget_epoch()
-            with contextlib.suppress(SharedStoreUnavailable):
-                self.epoch()  # take note of the new epoch now: the listeners drop what Redis lost
+            with contextlib.suppress(*self._errors):
+                self.state.read_epoch(self.client)  # take note of the new epoch now: the listeners drop what Redis lost
             raise SharedStoreUnavailable(f"{what} was not applied: the shared store lost its data (restart or flush)")
         if answer == b"aborted":  # a resend of a change already resolved as not applied
             raise SharedStoreUnavailable(f"{what} was not applied: the shared store did not answer")

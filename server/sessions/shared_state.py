@@ -53,7 +53,6 @@ class SharedStoreState:
         self._up = True
         self._epoch: str | None = None
         self._listeners: list[Callable[[], object]] = []
-        self.num_epoch_changes = 0
 
     # -- answers ----------------------------------------------------------------------
     @property
@@ -99,7 +98,6 @@ class SharedStoreState:
         with self._lock:
             was, self._epoch = self._epoch, epoch
         if was is not None and was != epoch:
-            self.num_epoch_changes += 1
             threading.Thread(target=self._tell, args=(was, epoch), name="kvserve-epoch", daemon=True).start()
 
     def _tell(self, was: str, epoch: str) -> None:
@@ -114,11 +112,6 @@ class SharedStoreState:
             was,
             epoch,
         )
-
-    def forget_epoch(self) -> None:
-        """A script said the epoch moved on: the next `epoch` asks Redis again."""
-        with self._lock:
-            self._epoch = None
 
     def held_epoch(self) -> str | None:
         return self._epoch

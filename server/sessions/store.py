@@ -87,8 +87,12 @@ class SessionStore(StoreSync):
             session = self._new(key, model_id, ttl_s)
             for name, value in fields.items():
                 setattr(session, name, value)
-            self._save(session, expected_op="")
-            self._insert(session)
+            self._hold_new(session)  # counted and taken while it is committed, which may wait on the network
+        self._commit_new(session)
+        with self._lock:
+            session.is_in_use = False
+            if self._sessions.get(key) is session:
+                self._index.touch(session)
         return session
 
     def restore(self) -> int:
@@ -115,6 +119,7 @@ class SessionStore(StoreSync):
         gives None, and so does a new one past the tenant's limit; a new session past it raises QuotaExceeded.
         A session never switches between a chat and a completion transcript (SessionModeMismatch)."""
         self._refresh(key)
+        made = None
         with self._lock:
             self._expire_locked()
             session = self._sessions.get(key)
@@ -123,27 +128,34 @@ class SessionStore(StoreSync):
                     return None  # a bucket is a hint: the request runs without one
                 self._check_room(key)
                 session = self._new(key, model_id, None)
-                if not key.is_bucket:
-                    self._save(session, expected_op="")
-                    session.is_claim = True
-                self._insert(session)
-            session.check_mode(is_chat)
+                if key.is_bucket:
+                    self._insert(session)
+                else:
+                    self._hold_new(session)
+                    made = session
+            else:
+                session.check_mode(is_chat)
             if (session.model_id != model_id or session.is_in_use) and key.is_bucket:
                 return None  # a bucket is a hint: the request runs without it
             if session.model_id != model_id:
                 raise SessionModelMismatch(
                     f"session {key.name!r} belongs to model {session.model_id!r}, not {model_id!r}"
                 )
-            if session.is_in_use:
+            if session.is_in_use and session is not made:
                 raise SessionBusy(f"session {key.name!r} already has a request in flight")
             session.is_in_use = True
+        if made is not None:
+            self._commit_new(made)  # outside the lock: it may wait on the network
+            made.is_claim = True
         if not key.is_bucket:  # the replicas' lock, taken outside ours: it may wait on the network
             try:
                 self.leases.take(key)
             except Exception:
                 with self._lock:
                     session.is_in_use = False
-                self._drop_unclaimed(session)
+                if session.is_claim:
+                    session.is_claim = False
+                    self._drop_unclaimed(session)
                 raise
         with self._lock:
             session.last_use, session.last_use_wall = self._clock(), self._wall()
@@ -162,6 +174,7 @@ class SessionStore(StoreSync):
             if turn is not None:
                 staged = self._journal_turn(session, turn)  # on disk before the client hears the turn ended
         finally:
+            is_claim, session.is_claim = session.is_claim, False  # its first request has ended, one way or another
             with self._lock:
                 is_live = self._sessions.get(session.key) is session
                 if staged is not None and is_live:
@@ -174,12 +187,11 @@ class SessionStore(StoreSync):
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
                 if is_live:
                     self._index.touch(session)
-            if staged is None and self.shared is not None and not session.key.is_bucket and not session.is_claim:
+            if staged is None and self.shared is not None and not session.key.is_bucket and not is_claim:
                 self.shared.touch(session.key, session.ttl_s)
             self.leases.give_back(session.key)  # after the turn is journaled
-        if has_failed:
+        if has_failed and is_claim:
             self._drop_unclaimed(session)
-        session.is_claim = False
 
     def _journal_turn(self, session: Session, turn: CompletedTurn) -> Session:
         """The session with `turn` applied, committed to the shared store (outside the store's lock: it may wait
@@ -209,18 +221,28 @@ class SessionStore(StoreSync):
             staged = session.copy()
             staged.cut(num_turns)
             staged.rev, staged.op = session.rev + 1, new_op()
+            session.is_in_use = True  # no turn starts while the rewind commits (outside the lock)
+            self._index.busy(session)
+        try:
             self._save(staged, expected_op=session.op)
-            self._index.retranscribe(session, staged.transcript_ids)
-            session.turns, session.messages, session.rev = staged.turns, staged.messages, staged.rev
-            session.op, session.epoch = staged.op, staged.epoch
-            session.last_use, session.last_use_wall = self._clock(), self._wall()
-            self._index.touch(session)
+        finally:
+            with self._lock:
+                session.is_in_use = False
+                if self._sessions.get(key) is session:
+                    self._index.touch(session)
+        with self._lock:
+            if self._sessions.get(key) is session:
+                self._index.retranscribe(session, staged.transcript_ids)
+                session.turns, session.messages, session.rev = staged.turns, staged.messages, staged.rev
+                session.op, session.epoch = staged.op, staged.epoch
+                session.last_use, session.last_use_wall = self._clock(), self._wall()
+                self._index.touch(session)
         return session
 
     def _drop_unclaimed(self, session: Session) -> None:
         """A session its first request made, when that request failed: it goes, as if never asked for. Not with
         replicas: another may have read the record meanwhile and be about to run a turn on it."""
-        if not session.is_claim or self.shared is not None:
+        if self.shared is not None:
             return
         try:
             if self.discard_unused(session):
@@ -233,14 +255,15 @@ class SessionStore(StoreSync):
     def discard_unused(self, session: Session) -> bool:
         """Delete `session` if it is still the live record of its key, idle and empty: one a request made for
         itself and was then refused, so that no empty leftover of it stays (one another request took, or that
-        holds a turn, stays). Returns whether it was deleted."""
+        holds a turn, stays). Not with replicas: another may have read the record meanwhile and be about to run
+        a turn on it. Returns whether it was deleted."""
+        if self.shared is not None:
+            return False
         with self._lock:
             live = self._sessions.get(session.key)
             if live is not session or live.is_in_use or live.transcript_ids or live.num_turns:
                 return False
-            self._delete_locked(session)
-        self._drop_tiers(session.key)
-        return True
+        return self._delete(session)
 
     def delete(self, key: SessionKey) -> bool:
         """Forget a session everywhere; its journal record goes first (StateUnavailable: nothing forgotten).
@@ -248,9 +271,26 @@ class SessionStore(StoreSync):
         self._refresh(key)
         with self._lock:
             session = self._sessions.get(key)
-            if session is None:
-                return False
-            self._delete_locked(session)
+        return session is not None and self._delete(session)
+
+    def _delete(self, session: Session) -> bool:
+        """Remove a session from the shared store (outside the lock: it may wait on the network), then from the
+        journal and memory. One process: a journal that refuses raises StateUnavailable, nothing forgotten.
+        Replicas: the shared store's delete is the delete; the journal only caches it."""
+        key = session.key
+        if self.shared is not None and not key.is_bucket:
+            self.shared.delete(key, session.ttl_s, new_op())  # every replica's copy is stale from now on
+        with self._lock:
+            if self._sessions.get(key) is not session:
+                return True  # gone meanwhile (another replica's delete, read by a refresh)
+            if not key.is_bucket:
+                try:
+                    self.journal.delete(key)
+                except OSError as exc:
+                    if self.shared is None:
+                        raise StateUnavailable(f"session {key.name!r} could not be deleted: {exc.strerror}") from exc
+                    log.warning("session %s: deleted, but its record here was not removed (%s)", key.name, exc)
+            self._remove(session)
         self._drop_tiers(key)
         return True
 
@@ -321,17 +361,22 @@ class SessionStore(StoreSync):
                 return
             raise StateUnavailable(f"session {staged.key.name!r} could not be saved: {exc.strerror or exc}") from exc
 
-    def _delete_locked(self, session: Session) -> None:
-        """Remove a session from the shared store, the journal (StateUnavailable: nothing forgotten) and memory."""
-        key = session.key
-        if self.shared is not None and not key.is_bucket:
-            self.shared.delete(key, session.ttl_s, new_op())  # every replica's copy is stale from now on
-        if not key.is_bucket:
-            try:
-                self.journal.delete(key)
-            except OSError as exc:
-                raise StateUnavailable(f"session {key.name!r} could not be deleted: {exc.strerror}") from exc
-        self._remove(session)
+    def _hold_new(self, session: Session) -> None:
+        """A session being made: in the store (counted toward quotas, its name taken) and in use until it is
+        committed, so nothing else starts on it meanwhile."""
+        session.is_in_use = True
+        self._insert(session)
+        self._index.busy(session)
+
+    def _commit_new(self, session: Session) -> None:
+        """Commit a session `_hold_new` holds (outside the lock); one refused goes, as if never asked for."""
+        try:
+            self._save(session, expected_op="")
+        except BaseException:
+            with self._lock:
+                if self._sessions.get(session.key) is session:
+                    self._remove(session)
+            raise
 
     def _insert(self, session: Session) -> None:
         self._sessions[session.key] = session

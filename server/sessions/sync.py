@@ -47,11 +47,14 @@ class StoreSync(StoreReads):
         commits on top of the operation it read, or is refused). Raises SharedStoreUnavailable."""
         if self.shared is None or key.is_bucket:
             return
+        with self._lock:
+            before = self._sessions.get(key)
+            read_op = before.op if before is not None else None
         found = self.shared.load(key)
         with self._lock:
             local = self._sessions.get(key)
-            if local is not None and local.is_in_use:
-                return
+            if local is not before or (local is not None and (local.is_in_use or local.op != read_op)):
+                return  # in use, or changed here while Redis was read (a commit, a create): newer than this read
             if found == GONE or found is None:
                 # Deleted, expired, or lost with Redis' data: a copy here is never written back (it could be one
                 # another replica deleted, or behind the last turn a client was told of).

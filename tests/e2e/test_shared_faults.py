@@ -279,3 +279,46 @@ def test_blocks_in_a_redis_of_their_own_may_be_evicted_and_are_stored_again_when
     wait_until(lambda: logged(a, "the K/V blocks' Redis lost its data"), what="a to notice the loss")
     said(turn(a.base, "second", prompt))  # the same tokens, the same addresses: stored again
     wait_until(lambda: blocks.client.keys("kvserve:blk:*"), what="a to store the blocks again")
+
+
+def test_the_engine_serves_while_a_delete_waits_on_redis(cluster):
+    """No Redis round trip is made under the session store's lock, which the engine thread takes every step: a
+    delete waiting on Redis holds no one else up."""
+    _store, proxy, server = cluster
+    assert turn(server.base, "s", [{"role": "user", "content": "Hello"}]).status_code == 200
+    proxy.hold(sha(DELETE))
+    _question, asked = proxy.hold(sha(RESOLVE))
+    deleting, _answers = in_thread(lambda: httpx.delete(f"{server.base}/v1/sessions/s", timeout=DEADLINE_S))
+    try:
+        assert asked.wait(DEADLINE_S), "the replica never asked after its unanswered delete"
+        body = {"model": "model", "prompt": "Hello", "max_tokens": 4}
+        served = httpx.post(server.base + "/v1/completions", json=body, timeout=DEADLINE_S / 4)
+        assert served.status_code == 200  # generated while the delete waits
+        assert httpx.get(f"{server.base}/v1/sessions", timeout=DEADLINE_S / 4).status_code == 200
+    finally:
+        proxy.release(sha(RESOLVE))
+        proxy.release(sha(DELETE))
+        deleting.join(DEADLINE_S)
+
+
+def test_a_change_that_finds_redis_lost_its_data_drops_what_was_lost(tmp_path):
+    """The first to notice a loss may be a change (its script refuses the old epoch), not the lease renewer: the
+    replica then drops what Redis lost all the same."""
+    from server.sessions.errors import SharedStoreUnavailable
+    from server.sessions.record import Session, SessionKey
+    from server.sessions.shared import SharedRecords
+    from server.sessions.shared_state import SharedStoreState, new_op
+
+    store = Redis(tmp_path)
+    state = SharedStoreState()
+    told = threading.Event()
+    state.on_epoch_change(told.set)
+    records = SharedRecords(store.url, state=state)
+    session = Session(SessionKey("t", "s"), "m", op=new_op(), rev=1, epoch=records.epoch())
+    records.save(session.key, session.to_record(), expected_op="")
+    store.client.flushall()
+    with pytest.raises(SharedStoreUnavailable, match="lost its data"):
+        records.save(session.key, {**session.to_record(), "op": new_op(), "rev": 2}, expected_op=session.op)
+    assert told.wait(DEADLINE_S), "the loss was noticed, and nothing was dropped"
+    assert state.held_epoch() != session.epoch
+    records.close()

@@ -151,3 +151,21 @@ async def test_a_grammar_failing_mid_reply_logs_its_reason_not_the_grammar(engin
     logged = [caplog.handler.format(record) for record in caplog.records]
     assert all("p999" not in line and len(line) < 4000 for line in logged)
     assert any("too many alternatives" in line for line in logged)
+
+
+def test_a_grammar_is_validated_and_walked_once_and_a_refused_one_every_time(engine, monkeypatch):
+    from server.engine import grammar as grammar_module
+
+    walks = []
+    real_probe = grammar_module.probe
+    monkeypatch.setattr(grammar_module, "probe", lambda *args: walks.append(args) or real_probe(*args))
+    grammars = engine.grammars
+    schema = {"type": "object", "properties": {"walked_once": {"type": "integer"}}, "required": ["walked_once"]}
+    text = grammars.json_schema(schema)
+    first, second = grammars.compile(text), grammars.compile(text)
+    assert len(walks) == 1  # the same grammar again (an agent's tools, every turn): not walked again
+    assert first.matcher is not second.matcher  # each request still gets a fresh matcher
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="too many alternatives"):
+            grammars.compile(grammars.json_schema(wide))  # refused each time: a refusal is never remembered

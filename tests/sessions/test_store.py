@@ -511,3 +511,53 @@ def test_a_session_its_first_request_made_goes_when_that_request_makes_no_turn(t
     bucket = SessionKey("default", "b", kind="bucket")
     store.release(store.acquire(bucket, "m"))  # a bucket is a cache key; it keeps no record to remove
     assert store.tenant_usage("default", key("other"))[0] == 3  # warmed, kept and made
+
+
+class BlockingShared:
+    """Stands in for SharedRecords (in memory): a record store that commits on the operation read, whose `load`
+    can be held once mid-way (a slow Redis read) while another thread commits."""
+
+    def __init__(self) -> None:
+        self.records: dict[SessionKey, dict] = {}
+        self.load_entered, self.load_gate = threading.Event(), threading.Event()
+        self.hold_next_load = False
+
+    def epoch(self) -> str:
+        return "e1"
+
+    def load(self, key):
+        found = self.records.get(key)
+        found = dict(found) if found is not None else None
+        if self.hold_next_load:
+            self.hold_next_load = False
+            self.load_entered.set()
+            assert self.load_gate.wait(60), "the test never let the read answer"
+        return found
+
+    def save(self, key, record, expected_op):
+        current = self.records.get(key, {}).get("op", "")
+        if current != expected_op:
+            raise SessionBusy("moved on")
+        self.records[key] = dict(record)
+
+    def touch(self, key, ttl_s):
+        pass
+
+    def delete(self, key, ttl_s, op):
+        self.records.pop(key, None)
+
+
+def test_a_read_of_the_shared_store_older_than_a_commit_here_is_not_adopted():
+    shared = BlockingShared()
+    store = SessionStore(ttl_s=3600, shared=shared)
+    complete(store, "s", [1, 2])  # turn 1, committed
+    shared.hold_next_load = True
+    reading = threading.Thread(target=store.view, args=(key("s"),))
+    reading.start()  # reads the record as it was after turn 1 ...
+    assert shared.load_entered.wait(60)
+    session = store.acquire(key("s"), "m")  # ... while turn 2 commits here (its own reads are not held)
+    store.release(session, turn([1, 2, 3, 4]))
+    shared.load_gate.set()
+    reading.join(60)
+    assert store.transcript(key("s")) == [1, 2, 3, 4]  # the older read did not roll turn 2 back
+    assert store.view(key("s")).num_turns == 2
