@@ -2,11 +2,15 @@
 paged kernel for all of them, by context length and batch (in-process, best of repeated calls).
 
 This is what sets `KERNEL_MAX_CONTEXT` in server/engine/model_runner.py: the kernel saves SDPA's per-call cost,
-SDPA's flash kernel streams a long context faster.
+which is most of a short row's time. Which is faster for a long row depends on the CPU (the runner times it at
+start: server/kv/routing.py).
 
 The second table is cascade attention for long decode rows that share a head (a cached system prompt, one run of
 blocks) and have scattered tails of their own: per-row SDPA on gathered slots (what such rows cost without
 heads), the kernel on each whole row, and the head in one flash call for all rows plus the kernel on the tails.
+
+The third table is a prefill chunk: SDPA on a view of the pool with the causal mask (one call per chunk) against
+the paged prefill kernel (bf16, AVX512-BF16), by chunk length and the keys the chunk ends at.
 
     python bench/attention_cost.py [--contexts 128,256,384,512,1024,1500] [--batches 1,8] [--head 1504]
 """
@@ -20,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from server.kv import kernels
-from server.kv.attention import SharedHead, _attend_heads
+from server.kv.attention import SeqSpan, SharedHead, attend, attend_heads
 
 KV_HEADS, HEADS, DIM, BLOCK = 3, 9, 64, 16  # SmolLM2-135M
 
@@ -103,9 +107,35 @@ def cascade(batch: int, head: int, tail: int, dtype: torch.dtype) -> tuple[float
     first_keys = torch.full((batch,), head, dtype=torch.int32)
 
     def with_head() -> None:
-        kernel(first_keys, *_attend_heads(query, k_pool, v_pool, heads, scale))
+        kernel(first_keys, *attend_heads(query, k_pool, v_pool, heads, scale))
 
     return best_us(gathered_sdpa), best_us(lambda: kernel(empty, empty, empty)), best_us(with_head)
+
+
+def prefill(chunk: int, context: int) -> tuple[float, float]:
+    """One chunk of `chunk` tokens ending at key `context`, bf16, blocks in one run: SDPA with the mask, the kernel."""
+    dtype = torch.bfloat16
+    blocks = -(-context // BLOCK)
+    k_pool = torch.randn(KV_HEADS, blocks * BLOCK, DIM, dtype=dtype)
+    v_pool = torch.randn(KV_HEADS, blocks * BLOCK, DIM, dtype=dtype)
+    query = torch.randn(1, HEADS, chunk, DIM, dtype=dtype)
+    out = torch.empty(chunk, HEADS, DIM, dtype=dtype)
+    span = SeqSpan(0, chunk, context, None, 0, torch.device("cpu"))
+    mask = span.mask(None)
+
+    def int32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    starts, lens, ctxs, table = int32([0]), int32([chunk]), int32([context]), int32(list(range(blocks)))[None]
+
+    def sdpa() -> None:
+        attend(query, k_pool[None, :, :context], v_pool[None, :, :context], mask, DIM**-0.5, None)
+
+    def kernel() -> None:
+        q = query[0].transpose(0, 1)
+        torch.ops.kvserve.paged_prefill(q, k_pool, v_pool, out, starts, lens, ctxs, table, BLOCK, DIM**-0.5)
+
+    return best_us(sdpa, 10), best_us(kernel, 10)
 
 
 def main() -> None:
@@ -136,6 +166,14 @@ def main() -> None:
                 sdpa, whole, split = cascade(batch, args.head, tail, dtype)
                 name = str(dtype).removeprefix("torch.")
                 print(f"{name:<9} {tail:5d} {batch:5d} {sdpa:14.0f} {whole:13.0f} {split:12.0f}")
+    if not kernels.paged_prefill_available(torch.bfloat16, DIM):
+        print("\nno paged prefill kernel here (it needs AVX512-BF16): prefill chunks are SDPA calls")
+        return
+    print("\nprefill chunk, bf16, one layer: SDPA on a view with the causal mask vs the paged prefill kernel")
+    print(f"{'chunk':>5} {'ends at key':>11} {'SDPA':>8} {'kernel':>8} {'kernel/SDPA':>12}")
+    for chunk, context in ((256, 256), (256, 1024), (256, 1536), (512, 1536), (1024, 1024), (1024, 2048)):
+        sdpa, kernel = prefill(chunk, context)
+        print(f"{chunk:5d} {context:11d} {sdpa:8.0f} {kernel:8.0f} {kernel / sdpa:12.2f}")
 
 
 if __name__ == "__main__":

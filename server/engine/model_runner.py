@@ -9,22 +9,35 @@ sampled positions only.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from server.engine.scheduler import Row
 from server.kv import kernels
-from server.kv.attention import STEP_KWARG, DecodeRows, SeqSpan, SharedHead, StepMeta, attention_inputs, install
+from server.kv.attention import (
+    STEP_KWARG,
+    DecodeRows,
+    PrefillRows,
+    SeqSpan,
+    SharedHead,
+    StepMeta,
+    attention_inputs,
+    install,
+)
 from server.kv.pool import KVLayout, KVPool
+from server.kv.routing import HEAD, KERNEL, SDPA, LoneRowRoute, time_lone_row, time_prefill
 from server.models.digest import ModelDigests
 from server.models.loader import LoadedModel
 
-# Decode rows with at most this many keys go to the paged kernel, all in one call. Measured on a 2-core Xeon
-# (bench/attention_cost.py): the kernel saves SDPA's per-call cost, which is most of a short row's time, but
-# streams a long context slower than SDPA's flash kernel on a view of the pool (they cross at 256-384 keys).
-# A longer row takes a head (cascade attention, `_heads`) when it can; else SDPA when its blocks are one run,
-# and the kernel when SDPA would first gather them (a gather costs more than the kernel's slower streaming).
+log = logging.getLogger("kvserve.engine")
+
+# Decode rows with at most this many keys go to the paged kernel, all in one call: it saves SDPA's per-call
+# cost, which is most of a short row's time (bench/attention_cost.py). A longer row shares a head with the rows
+# whose blocks start alike (cascade attention, `_heads`); a lone one goes the way timed fastest on this machine
+# at start (server/kv/routing.py): the kernel whole, SDPA on a view when its blocks are one run, or a head of its
+# leading run that the kernel resumes. SDPA never reads gathered slots for a decode row (the kernel is cheaper).
 KERNEL_MAX_CONTEXT = 256
 
 
@@ -62,6 +75,24 @@ class ModelRunner:
         # Cascade attention (long decode rows: a batched head, the kernel for the rest) needs layers without a
         # window or softcap; the kernel would take such rows whole, slower than SDPA.
         self.uses_heads = self.uses_kernel and not {"sliding_window", "softcap"} & attention_inputs(loaded.model)
+        self.lone_rows = SDPA  # how a lone long decode row attends: timed below where there is a choice
+        if self.uses_kernel:
+            text = loaded.model.config.get_text_config(decoder=True)
+            route: LoneRowRoute = time_lone_row(self.pool, int(text.num_attention_heads))
+            self.lone_rows = (
+                route.way
+                if self.uses_heads or route.way != HEAD
+                else min((KERNEL, SDPA), key=route.times_us.__getitem__)
+            )
+            log.info("model %s: %s", loaded.spec.id, route.describe)
+        # Prefill chunks: the paged prefill kernel where it serves this pool and was timed faster than SDPA (layers
+        # without window or softcap, as for heads).
+        self.prefill_kernel = False
+        if self.uses_heads and kernels.paged_prefill_available(self.layout.dtype, self.layout.head_dim):
+            text = loaded.model.config.get_text_config(decoder=True)
+            prefill = time_prefill(self.pool, int(text.num_attention_heads))
+            self.prefill_kernel = prefill.way == KERNEL
+            log.info("model %s: %s", loaded.spec.id, prefill.describe)
         install(loaded.model)
 
     def run(self, rows: list[Row]) -> torch.Tensor:
@@ -89,6 +120,7 @@ class ModelRunner:
         sampled_at: list[int] = []
         long_rows: list[DecodeRow] = []
         kernel_rows: list[DecodeRow] = []
+        chunks: list[tuple[int, int, int, list[int]]] = []  # prefill kernel: (first row, tokens, keys, blocks)
         for row in rows:
             start = row.seq.num_computed
             end = start + len(row.token_ids)
@@ -96,6 +128,8 @@ class ModelRunner:
             slots += self.pool.slot_ids(table, start, end)
             if self.uses_kernel and len(row.token_ids) == 1:
                 (kernel_rows if end <= KERNEL_MAX_CONTEXT else long_rows).append(DecodeRow(len(ids), table, end))
+            elif self.prefill_kernel and len(row.token_ids) > 1:
+                chunks.append((len(ids), len(row.token_ids), end, table))
             else:
                 spans.append(self._span(len(ids), len(row.token_ids), table, end))
             ids += row.token_ids
@@ -103,17 +137,18 @@ class ModelRunner:
             if row.is_sampled:
                 sampled_at.append(len(ids) - 1)
         heads, with_heads = self._heads(long_rows) if self.uses_heads else ([], [])
-        for r in long_rows:  # the rest: SDPA on a view of one run of blocks, or the kernel rather than a gather
+        for r in long_rows:  # the rest: SDPA on a view of one run of blocks where that is faster, else the kernel
             if r.head:
                 continue
-            span = self._span(r.at, 1, r.table, r.ctx_len)
-            if span.ctx_slots is None:
-                spans.append(span)
+            if self.lone_rows == SDPA and _run_length(r.table) * self.pool.block_size >= r.ctx_len:
+                spans.append(self._span(r.at, 1, r.table, r.ctx_len))
             else:
                 kernel_rows.append(r)
         meta = StepMeta(self.pool, torch.tensor(slots, dtype=torch.long, device=device), spans)
         if with_heads or kernel_rows:
             meta.decode = self._decode_rows(with_heads + kernel_rows, heads)
+        if chunks:
+            meta.prefill = self._prefill_rows(chunks)
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, T]
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)  # [1, T]
         return meta, input_ids, position_ids, torch.tensor(sampled_at, dtype=torch.long, device=device)
@@ -122,9 +157,9 @@ class ModelRunner:
         """Cascade attention for long decode rows: the heads, and the rows that take one (in the heads' order).
 
         Rows whose tables start alike share their common full blocks as one head (one call reads them for
-        all); a lone row's head is its leading run of consecutive blocks (a view, no gather), unless the run
-        holds its whole context (SDPA on the view is faster). A row takes its head when the kernel is left at
-        most max(KERNEL_MAX_CONTEXT, head) keys.
+        all); a lone row's head is its leading run of consecutive blocks (a view, no gather) when heads are
+        its fastest way, or SDPA's and the run does not hold its whole context (SDPA takes that whole, on a
+        view). A row takes its head when the kernel is left at most max(KERNEL_MAX_CONTEXT, head) keys.
         """
         bs = self.pool.block_size
         groups: dict[int, list[DecodeRow]] = {}
@@ -140,8 +175,10 @@ class ModelRunner:
                 table = part[0].table
                 if len(part) > 1:
                     length = common
-                elif _run_length(table) * bs >= part[0].ctx_len:
-                    continue  # one run of blocks: SDPA on a view of it is faster still
+                elif self.lone_rows == KERNEL or (
+                    self.lone_rows == SDPA and _run_length(table) * bs >= part[0].ctx_len
+                ):
+                    continue  # the kernel whole, or SDPA on a view of its one run of blocks, is faster
                 else:
                     length = _run_length(table[: (part[0].ctx_len - 1) // bs])
                 keep = [r for r in part if length and r.ctx_len - length * bs <= max(KERNEL_MAX_CONTEXT, length * bs)]
@@ -170,6 +207,17 @@ class ModelRunner:
         lens = int32([r.ctx_len for r in rows])
         first_keys = int32([r.head for r in rows]) if heads else None
         return DecodeRows(int32([r.at for r in rows]), int32(padded), lens, heads, first_keys)
+
+    def _prefill_rows(self, chunks: list[tuple[int, int, int, list[int]]]) -> PrefillRows:
+        bs = self.pool.block_size
+        width = max(-(-ctx // bs) for _, _, ctx, _ in chunks)
+        tables = [table[:width] + [0] * (width - len(table[:width])) for _, _, _, table in chunks]
+
+        def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        starts, lens, ctxs = int32([c[0] for c in chunks]), int32([c[1] for c in chunks]), int32([c[2] for c in chunks])
+        return PrefillRows(starts, lens, ctxs, int32(tables))
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -104,12 +104,23 @@ class DecodeRows:
     first_keys: torch.Tensor | None = None  # [B] int32
 
 
+@dataclass(slots=True, frozen=True)
+class PrefillRows:
+    """The step's multi-token spans (prefill chunks), for the paged prefill kernel (int32, on the pool's device)."""
+
+    q_starts: torch.Tensor  # [N] each span's first row in the packed row
+    q_lens: torch.Tensor  # [N] its tokens
+    context_lens: torch.Tensor  # [N] its keys, its own tokens last
+    block_tables: torch.Tensor  # [N, max blocks] its blocks in order (padded with 0)
+
+
 @dataclass(slots=True)
 class StepMeta:
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     spans: list[SeqSpan]  # the rows attended to one SDPA call each
     decode: DecodeRows | None = None  # the rows the kernel attends to in one call
+    prefill: PrefillRows | None = None  # the chunks the prefill kernel attends to in one call (no window, no softcap)
 
 
 def attend(
@@ -150,11 +161,25 @@ def paged_attention(
     k_pool.index_copy_(1, step.slot_mapping, key[0].to(k_pool.dtype))
     v_pool.index_copy_(1, step.slot_mapping, value[0].to(v_pool.dtype))
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
+    if step.prefill is not None:
+        p = step.prefill
+        torch.ops.kvserve.paged_prefill(
+            query[0].transpose(0, 1),  # [T, H, D], a view
+            k_pool,
+            v_pool,
+            out,
+            p.q_starts,
+            p.q_lens,
+            p.context_lens,
+            p.block_tables,
+            step.pool.block_size,
+            scale,
+        )
     if step.decode is not None:
         d = step.decode
         first_keys = head_out = head_lse = _EMPTY
         if d.first_keys is not None and sliding_window is None and softcap is None:
-            first_keys, (head_out, head_lse) = d.first_keys, _attend_heads(query, k_pool, v_pool, d.heads, scale)
+            first_keys, (head_out, head_lse) = d.first_keys, attend_heads(query, k_pool, v_pool, d.heads, scale)
         torch.ops.kvserve.paged_decode(
             query[0].transpose(0, 1),  # [T, H, D], a view
             k_pool,
@@ -188,7 +213,7 @@ def paged_attention(
 _EMPTY = torch.empty(0)
 
 
-def _attend_heads(
+def attend_heads(
     query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, heads: list[SharedHead], scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each head's rows against its keys in one flash call: ([Bh, H, D] output, [Bh, H] log-sum-exp).

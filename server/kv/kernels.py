@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("kvserve.kernels")
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "paged_prefill.cpp")]
 # -ffast-math lets exp() vectorize (glibc's libmvec); the kernel never relies on inf or NaN
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
 _lock = threading.Lock()
@@ -35,8 +35,10 @@ _state: dict[str, bool | str] = {}
 def build_name() -> str:
     """The build's name: a new source, torch or CPU builds anew (a -march=native build is not portable), and
     so does another checkout (its own build files)."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(str(SOURCE.resolve()).encode())
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+        digest.update(str(source.resolve()).encode())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())
     digest.update(_cpu_flags().encode())
@@ -49,6 +51,14 @@ def paged_decode_available() -> bool:
         if "loaded" not in _state:
             _state["loaded"] = _load()
         return bool(_state["loaded"])
+
+
+def paged_prefill_available(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch.ops.kvserve.paged_prefill serves this pool: bf16, a head size of 64 or 128, a CPU with
+    AVX512-BF16 (the build is -march=native: it has the kernel only where the CPU has the instructions)."""
+    if dtype != torch.bfloat16 or not paged_decode_available():
+        return False
+    return bool(torch.ops.kvserve.paged_prefill_available(head_dim))
 
 
 def unavailable_reason() -> str | None:
@@ -66,7 +76,11 @@ def _load() -> bool:
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
         with _build_lock(build_dir):
             cpp_extension.load(
-                name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False, verbose=False
+                name=name,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=CFLAGS,
+                is_python_module=False,
+                verbose=False,
             )
     except Exception as exc:  # no compiler, no headers, a failed build: the portable path still answers
         _state["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"

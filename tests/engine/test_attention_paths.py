@@ -29,6 +29,7 @@ async def test_short_and_long_rows_of_one_step_take_both_attention_paths(tiny32,
         engine.stop()
         pytest.skip("no C++ compiler: every row is an SDPA call")
     engine.runner.uses_heads = False  # else the long row reads its leading blocks as a head (tested below)
+    engine.runner.lone_rows = model_runner.SDPA  # as where SDPA was timed fastest for a lone long row
     seen: list[tuple[int, int]] = []
     prepare = engine.runner._prepare
 
@@ -92,6 +93,7 @@ async def test_a_lone_long_row_reads_its_leading_run_as_a_head(tiny32, monkeypat
     if not engine.runner.uses_heads:
         engine.stop()
         pytest.skip("no C++ compiler: every long row is an SDPA call")
+    engine.runner.lone_rows = model_runner.HEAD  # as where a head was timed fastest for a lone long row
     lengths: list[int] = []
     prepare = engine.runner._prepare
 
@@ -121,6 +123,7 @@ def test_heads_group_rows_by_their_shared_blocks(tiny32):
     engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
     engine.stop()
     runner, Row = engine.runner, model_runner.DecodeRow
+    runner.lone_rows = model_runner.SDPA  # as where SDPA on a view was timed fastest for a lone long row
     k = model_runner.KERNEL_MAX_CONTEXT
     shared = [90, 7, 3, 50] * (k // 16 + 1)  # scattered blocks, 4 keys each: more keys than the kernel takes
     a = Row(0, [*shared, 11, 12], len(shared) * 4 + 5)
@@ -136,3 +139,93 @@ def test_heads_group_rows_by_their_shared_blocks(tiny32):
     assert heads[1].slots is None
     assert heads[1].first_slot == 200 * 4
     assert (a.head, b.head, lone.head, too_long.head, one_run.head) == (len(shared) * 4, len(shared) * 4, 2 * k, 0, 0)
+
+
+def lone_rows_case(runner):
+    """A shared pair, a lone row on scattered blocks and a lone row on one run of blocks, all long."""
+    Row, k = model_runner.DecodeRow, model_runner.KERNEL_MAX_CONTEXT
+    shared = [90, 7, 3, 50] * (k // 16 + 1)
+    a = Row(0, [*shared, 11, 12], len(shared) * 4 + 5)
+    b = Row(1, [*shared, 13], len(shared) * 4 + 2)
+    lone = Row(2, [*range(200, 200 + 2 * k // 4), 5], 2 * k + 3)
+    one_run = Row(3, list(range(400, 400 + k // 2)), k * 2)
+    return a, b, lone, one_run
+
+
+@pytest.mark.parametrize("way", ["kernel", "head"])
+def test_lone_long_rows_go_the_way_timed_fastest(tiny32, way):
+    """Timed fastest, the kernel takes lone rows whole (no head, no SDPA); heads take even a one-run row's lead."""
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
+    engine.stop()
+    runner = engine.runner
+    if not runner.uses_heads:
+        pytest.skip("no C++ compiler: every long row is an SDPA call")
+    runner.lone_rows = way
+    a, b, lone, one_run = lone_rows_case(runner)
+    _heads, taken = runner._heads([a, b, lone, one_run])
+    k = model_runner.KERNEL_MAX_CONTEXT
+    if way == "kernel":
+        assert taken == [a, b]  # rows that share blocks still share a head
+        assert (lone.head, one_run.head) == (0, 0)
+    else:
+        assert taken == [a, b, lone, one_run]
+        assert (lone.head, one_run.head) == (2 * k, 2 * k - 4)  # whole blocks before the row's own token
+
+
+async def test_a_lone_row_on_one_run_of_blocks_goes_to_sdpa_only_where_sdpa_was_fastest(tiny32, monkeypatch):
+    monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 8)
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
+    if not engine.runner.uses_kernel:
+        engine.stop()
+        pytest.skip("no C++ compiler: every row is an SDPA call")
+    # Each alone, sharing no prefix with the other: its blocks are one run.
+    prompts = {
+        model_runner.SDPA: words(tiny32, "The quick brown fox jumps over the lazy dog. " * 3),
+        model_runner.KERNEL: words(tiny32, "Paris is the capital of France, and Rome of Italy. " * 3),
+    }
+    decode_paths: dict[str, set[str]] = {}
+    prepare = engine.runner._prepare
+
+    def spy(rows):
+        meta, *rest = prepare(rows)
+        if len(rows) == 1 and len(rows[0].token_ids) == 1:
+            decode_paths.setdefault(engine.runner.lone_rows, set()).add("kernel" if meta.decode else "sdpa")
+        return (meta, *rest)
+
+    monkeypatch.setattr(engine.runner, "_prepare", spy)
+    try:
+        for way, prompt in prompts.items():
+            engine.runner.lone_rows = way
+            result = await run(engine, prompt, rid=way, max_tokens=6, ignore_eos=True)
+            assert result.token_ids == reference_greedy(tiny32.model, prompt, 6)
+    finally:
+        engine.stop()
+    assert decode_paths == {"sdpa": {"sdpa"}, "kernel": {"kernel"}}
+
+
+def test_timing_a_lone_row_picks_the_fastest_way(tiny32, monkeypatch):
+    """The start-up timing runs each way on the pool (the head only where there is one); the runner takes the
+    least time's way."""
+    from server.kv import routing
+
+    fake = {routing.KERNEL: 3.0, routing.SDPA: 2.0, routing.HEAD: 1.0}
+    timed: list[str] = []
+
+    def best_us(fn):
+        fn()
+        way = list(fake)[len(timed) % len(fake)]
+        timed.append(way)
+        return fake[way]
+
+    monkeypatch.setattr(routing, "_best_us", best_us)
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
+    engine.stop()
+    if not engine.runner.uses_kernel:
+        pytest.skip("no C++ compiler: no choice to make")
+    assert timed == [routing.KERNEL, routing.SDPA, routing.HEAD]
+    assert engine.runner.lone_rows == routing.HEAD
+    fake[routing.KERNEL] = 0.5
+    route = routing.time_lone_row(engine.runner.pool, int(tiny32.model.config.num_attention_heads))
+    assert route.way == routing.KERNEL
+    assert "kernel 0 us" in route.describe
+    assert "head 1 us" in route.describe

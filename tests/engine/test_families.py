@@ -80,6 +80,8 @@ async def test_paged_engine_matches_generate(family, path, tokenizer, tmp_path, 
     if path == "cascade":  # every decode row counts as long: heads where the layers allow, else whole rows
         monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 4)
     engine = make_engine(loaded, budget_bytes=1 << 22, block_size=4)
+    if path == "cascade":  # lone long rows: a head of their leading run where the layers allow, else SDPA on a view
+        engine.runner.lone_rows = model_runner.HEAD if engine.runner.uses_heads else model_runner.SDPA
     assert engine.runner.uses_kernel == (path != "sdpa")
     assert engine.runner.uses_heads == (path != "sdpa" and family in ("gemma", "llama", "qwen3"))
     try:

@@ -113,24 +113,28 @@ def test_a_row_resumes_from_the_head_it_is_given(dtype):
         paged_decode(query, k_pool, v_pool, out, rows, tables, lens, heads=([*first[:2], 4], head_out, head_lse))
 
 
-def test_the_build_is_named_by_source_torch_and_cpu(monkeypatch, tmp_path):
+@pytest.mark.parametrize("which", [0, 1], ids=["decode", "prefill"])
+def test_the_build_is_named_by_source_torch_and_cpu(monkeypatch, tmp_path, which):
     name = kernels.build_name()
     assert name.startswith("kvserve_kernels_")
-    changed = tmp_path / "paged_decode.cpp"
-    changed.write_text(kernels.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(kernels, "SOURCE", changed)
+    source = kernels.SOURCES[which]
+    changed = tmp_path / source.name
+    changed.write_text(source.read_text() + "\n// changed\n")
+    monkeypatch.setattr(kernels, "SOURCES", [changed if s == source else s for s in kernels.SOURCES])
     assert kernels.build_name() != name
 
 
 def test_two_checkouts_of_the_same_source_build_apart(monkeypatch, tmp_path):
     name = kernels.build_name()
-    elsewhere = tmp_path / "checkout" / "server" / "kv" / "csrc" / "paged_decode.cpp"
-    elsewhere.parent.mkdir(parents=True)
-    elsewhere.write_bytes(kernels.SOURCE.read_bytes())  # the same bytes in another checkout
-    monkeypatch.setattr(kernels, "SOURCE", elsewhere)
+    csrc = tmp_path / "checkout" / "server" / "kv" / "csrc"
+    csrc.mkdir(parents=True)
+    for source in kernels.SOURCES:
+        (csrc / source.name).write_bytes(source.read_bytes())  # the same bytes in another checkout
+    monkeypatch.setattr(kernels, "SOURCES", [csrc / s.name for s in kernels.SOURCES])
     other = kernels.build_name()
     assert other != name  # its own build directory: neither rebuilds the other's
-    monkeypatch.setattr(kernels, "SOURCE", elsewhere.parents[1] / ".." / "kv" / "csrc" / elsewhere.name)
+    spelled = csrc.parent / ".." / "kv" / "csrc"
+    monkeypatch.setattr(kernels, "SOURCES", [spelled / s.name for s in kernels.SOURCES])
     assert kernels.build_name() == other  # the same checkout, however its path is spelled
 
 

@@ -1,0 +1,345 @@
+// Paged attention for prefill chunks on the CPU (bf16, AVX512-BF16): every multi-token span of a step, in one
+// call, reading each span's context where it lies in the pool through its block table (no gather, no mask).
+//
+// A span is a sequence's chunk of q_len new tokens at the end of its ctx_len keys (its own K/V already written
+// to the pool by the caller): query token i sits at position ctx_len - q_len + i and sees keys 0 .. that
+// position. Work runs in two parallel phases:
+//   1. per (span, kv head): the context's keys are laid out once in the AVX512-BF16 pair layout (16 keys in the
+//      lanes, two head dimensions per 32-bit lane) and its values converted to fp32, 16 keys per tile;
+//   2. per (span, kv head, query head of the group, R consecutive tokens): the R rows walk the tiles up to the
+//      last token's position with an online softmax. Scores come from vdpbf16ps (each key tile read once for
+//      R rows); the output accumulates in registers in fp32 (probabilities times fp32 values). The rows of a
+//      tile past a row's own position are masked; keys past the context are zero and always masked.
+//
+//   query        [T, H, D] bf16  the packed row's queries (any strides; D contiguous)
+//   k_pool/v_pool [kvH, S, D]    the layer's pool (contiguous, bf16)
+//   out          [T, H, D] bf16  written at the spans' rows only (D contiguous)
+//   q_starts     [N] int32       each span's first row in the packed row
+//   q_lens       [N] int32       its tokens
+//   context_lens [N] int32       its keys (its own tokens last)
+//   block_tables [N, M] int32    its blocks, in order
+// D is 64 or 128. No sliding window and no softcap (the caller sends those spans to SDPA).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;  // keys per tile: one zmm of fp32 scores
+constexpr int kTiles = 4;      // tiles per softmax update: its max, rescale and sums are paid once per 64 keys
+
+#if defined(__AVX512BF16__)
+constexpr bool kAvailable = true;
+
+struct SpanLayout {
+  int64_t q_start, q_len, ctx, tiles;
+  int64_t kt_offset, vf_offset;  // into the scratch buffers, per kv head: + kv_head * (tiles * ...)
+};
+
+// e^x for x <= 0 in 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series to r^6
+// (relative error below 4e-7, as fine as fp32 resolves); x below -88 gives at most 2^-127, a zero next to the
+// row's largest term e^0 = 1.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: r stays exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The R rows' scores against one tile of keys: two sums per row (twice the independent chains for the units'
+// latency), kept in registers: the caller's arrays are written once, at the end.
+template <int D, int R>
+__attribute__((always_inline)) inline void scores(__m512* out, const uint32_t* kb, const uint32_t* const* q32) {
+  constexpr int DP = D / 2;
+  __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+  for (int c = 0; c < DP; c += 2) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + c * kTile);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + (c + 1) * kTile);
+    e0 = _mm512_dpbf16_ps(e0, k0, (__m512bh)_mm512_set1_epi32(q32[0][c]));
+    o0 = _mm512_dpbf16_ps(o0, k1, (__m512bh)_mm512_set1_epi32(q32[0][c + 1]));
+    e1 = _mm512_dpbf16_ps(e1, k0, (__m512bh)_mm512_set1_epi32(q32[1][c]));
+    o1 = _mm512_dpbf16_ps(o1, k1, (__m512bh)_mm512_set1_epi32(q32[1][c + 1]));
+    if constexpr (R > 2) {
+      e2 = _mm512_dpbf16_ps(e2, k0, (__m512bh)_mm512_set1_epi32(q32[2][c]));
+      o2 = _mm512_dpbf16_ps(o2, k1, (__m512bh)_mm512_set1_epi32(q32[2][c + 1]));
+      e3 = _mm512_dpbf16_ps(e3, k0, (__m512bh)_mm512_set1_epi32(q32[3][c]));
+      o3 = _mm512_dpbf16_ps(o3, k1, (__m512bh)_mm512_set1_epi32(q32[3][c + 1]));
+    }
+  }
+  out[0] = _mm512_add_ps(e0, o0);
+  out[1] = _mm512_add_ps(e1, o1);
+  if constexpr (R > 2) {
+    out[2] = _mm512_add_ps(e2, o2);
+    out[3] = _mm512_add_ps(e3, o3);
+  }
+}
+
+// acc[r] += sum over key pairs jp of the pair's probabilities times its values, 16 head dimensions a vector;
+// the accumulators are copied into locals for the loop (the compiler keeps those in registers).
+template <int D, int R>
+__attribute__((always_inline)) inline void accumulate_values(__m512 (*acc)[D / 16], const uint32_t* vb,
+                                                             const uint32_t (*pairs)[kTiles * kTile / 2], int n) {
+  constexpr int DV = D / 16;
+  static_assert(R * DV == 16, "R rows of D / 16 vectors: 16 accumulators");
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) a[i] = acc[i / DV][i % DV];
+  for (int jp = 0; jp < n; ++jp) {
+    __m512bh p[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) p[r] = (__m512bh)_mm512_set1_epi32(pairs[r][jp]);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(vb + jp * D + (i % DV) * 16), p[i / DV]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i / DV][i % DV] = a[i];
+}
+
+template <int D, int R>
+void rows_of_group(const uint32_t* kt, const uint32_t* vt, const uint16_t* const* q, const int64_t* pos, int rows,
+                   float scale, uint16_t* const* dst) {
+  constexpr int DV = D / 16, DP = D / 2;  // fp32 vectors per row; bf16 pairs per row
+  constexpr int kStep = kTiles * kTile;   // keys per softmax update
+  const float lowest = std::numeric_limits<float>::lowest();  // not -inf: built with -ffast-math
+  __m512 acc[R][DV];
+  float run_max[R], run_sum[R];
+  alignas(64) float p[R][kStep];
+  alignas(64) uint32_t pairs[R][kStep / 2];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < DV; ++v) acc[r][v] = _mm512_setzero_ps();
+    run_max[r] = lowest;
+    run_sum[r] = 0.f;
+  }
+  const uint32_t* q32[R];
+  int64_t row_pos[R];
+  for (int r = 0; r < R; ++r) {
+    q32[r] = reinterpret_cast<const uint32_t*>(q[r < rows ? r : rows - 1]);
+    row_pos[r] = pos[r < rows ? r : rows - 1];
+  }
+  const int64_t num_tiles = pos[rows - 1] / kTile + 1;  // tiles holding a key some row sees
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < num_tiles; t0 += kTiles) {
+    const int tiles = static_cast<int>(std::min<int64_t>(kTiles, num_tiles - t0));
+    // scores of up to kTiles tiles, scaled and masked, into p
+    for (int tt = 0; tt < tiles; ++tt) {
+      const int64_t t = t0 + tt;
+      const uint32_t* kb = kt + t * DP * kTile;
+      __m512 sc[R];
+      scores<D, R>(sc, kb, q32);
+      const int64_t first_key = t * kTile;
+      for (int r = 0; r < R; ++r) {
+        __m512 x = _mm512_mul_ps(sc[r], scale_v);
+        if (first_key + kTile - 1 > row_pos[r]) {  // keys past this row's position: masked
+          const __m512 limit = _mm512_set1_ps(static_cast<float>(row_pos[r] - first_key));
+          x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(lane, limit, _CMP_GT_OQ), _mm512_set1_ps(lowest));
+        }
+        _mm512_store_ps(p[r] + tt * kTile, x);
+      }
+    }
+    const int n = tiles * kTile;
+    for (int r = 0; r < R; ++r) {  // the online softmax, once per kStep keys
+      __m512 m = _mm512_load_ps(p[r]);
+      for (int tt = 1; tt < tiles; ++tt) m = _mm512_max_ps(m, _mm512_load_ps(p[r] + tt * kTile));
+      const float new_max = std::max(run_max[r], _mm512_reduce_max_ps(m));
+      const __m512 max_v = _mm512_set1_ps(new_max);
+      const float correction = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(run_max[r] - new_max)));
+      float* pr = p[r];
+      __m512 sum = _mm512_setzero_ps();
+      for (int tt = 0; tt < tiles; ++tt) {
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(pr + tt * kTile), max_v));
+        _mm512_store_ps(pr + tt * kTile, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      run_sum[r] = run_sum[r] * correction + _mm512_reduce_add_ps(sum);
+      run_max[r] = new_max;
+      for (int tt = 0; tt < tiles; ++tt) {
+        const __m256bh half = _mm512_cvtneps_pbh(_mm512_load_ps(pr + tt * kTile));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r] + tt * (kTile / 2)), (__m256i)half);
+      }
+      const __m512 corr = _mm512_set1_ps(correction);
+      for (int v = 0; v < DV; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], corr);
+    }
+    // values: pairs of keys in each 32-bit lane, one lane per head dimension; probabilities in bf16 pairs
+    const uint32_t* vb = vt + t0 * (kTile / 2) * D;
+    accumulate_values<D, R>(acc, vb, pairs, n / 2);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / run_sum[r]);
+    for (int v = 0; v < DV; ++v) {
+      const __m256bh half = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][v], inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst[r] + v * 16), (__m256i)half);
+    }
+  }
+}
+
+template <int D>
+void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
+             const std::vector<SpanLayout>& spans, const int32_t* tables, int64_t max_blocks, int64_t block_size,
+             double scale) {
+  constexpr int DP = D / 2;
+  constexpr int R = D == 64 ? 4 : 2;  // rows walked together: their 16 accumulators stay in registers
+  const int64_t num_heads = query.size(1), num_kv_heads = k_pool.size(0), pool_slots = k_pool.size(1);
+  const int64_t groups = num_heads / num_kv_heads;
+  int64_t kt_total = 0, vf_total = 0;
+  for (const auto& s : spans) {
+    kt_total = std::max(kt_total, s.kt_offset + num_kv_heads * s.tiles * kTile * DP);
+    vf_total = std::max(vf_total, s.vf_offset + num_kv_heads * s.tiles * (kTile / 2) * D);
+  }
+  // Scratch of the calling thread, grown when a step needs more (every element is written before it is read).
+  static thread_local std::vector<uint32_t> kt_buffer;
+  static thread_local std::vector<uint32_t> vf_buffer;
+  if (static_cast<int64_t>(kt_buffer.size()) < kt_total) kt_buffer.resize(kt_total);
+  if (static_cast<int64_t>(vf_buffer.size()) < vf_total) vf_buffer.resize(vf_total);
+  uint32_t* const kt = kt_buffer.data();
+  uint32_t* const vf = vf_buffer.data();
+  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>());
+  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
+  const int64_t num_spans = static_cast<int64_t>(spans.size());
+
+  at::parallel_for(0, num_spans * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t si = item / num_kv_heads, h = item % num_kv_heads;
+      const SpanLayout& s = spans[si];
+      uint32_t* kdst = kt + s.kt_offset + h * s.tiles * kTile * DP;
+      uint16_t* vdst = reinterpret_cast<uint16_t*>(vf + s.vf_offset + h * s.tiles * (kTile / 2) * D);
+      const int32_t* table = tables + si * max_blocks;
+      for (int64_t key = 0; key < s.tiles * kTile; ++key) {
+        const int64_t t = key / kTile, l = key % kTile;
+        uint32_t* kt_tile = kdst + t * DP * kTile;
+        // values: key pair jp of tile t, head dimension d -> the 32-bit lane (t, jp, d), this key's half of it
+        uint16_t* v_half = vdst + 2 * (t * (kTile / 2) * D + (l / 2) * D) + (l % 2);
+        if (key >= s.ctx) {  // padding of the last tile: zeros (always masked)
+          for (int c = 0; c < DP; ++c) kt_tile[c * kTile + l] = 0;
+          for (int d = 0; d < D; ++d) v_half[2 * d] = 0;
+          continue;
+        }
+        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        const uint32_t* k_src = k32 + (h * pool_slots + slot) * DP;
+        for (int c = 0; c < DP; ++c) kt_tile[c * kTile + l] = k_src[c];
+        const uint16_t* v_src = v16 + (h * pool_slots + slot) * D;
+        for (int d = 0; d < D; ++d) v_half[2 * d] = v_src[d];
+      }
+    }
+  });
+
+  // Phase 2 items: (span, kv head, group head, group of R tokens); a span's groups are numbered from its base.
+  std::vector<int64_t> first_item(num_spans + 1, 0);
+  for (int64_t si = 0; si < num_spans; ++si) {
+    first_item[si + 1] = first_item[si] + num_kv_heads * groups * ((spans[si].q_len + R - 1) / R);
+  }
+  const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
+  uint16_t* o_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
+  at::parallel_for(0, first_item[num_spans], 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t si = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const SpanLayout& s = spans[si];
+      const int64_t local = item - first_item[si];
+      const int64_t num_groups = (s.q_len + R - 1) / R;
+      const int64_t h = local / (groups * num_groups), g = (local / num_groups) % groups, grp = local % num_groups;
+      const int64_t head = h * groups + g, i0 = grp * R;
+      const int rows = static_cast<int>(std::min<int64_t>(R, s.q_len - i0));
+      const uint16_t* q[R];
+      uint16_t* dst[R];
+      int64_t pos[R];
+      for (int r = 0; r < rows; ++r) {
+        const int64_t row = s.q_start + i0 + r;
+        q[r] = q_ptr + row * q_row + head * q_head;
+        dst[r] = o_ptr + row * o_row + head * o_head;
+        pos[r] = s.ctx - s.q_len + i0 + r;
+      }
+      const uint32_t* kh = kt + s.kt_offset + h * s.tiles * kTile * DP;
+      const uint32_t* vh = vf + s.vf_offset + h * s.tiles * (kTile / 2) * D;
+      rows_of_group<D, R>(kh, vh, q, pos, rows, static_cast<float>(scale), dst);
+    }
+  });
+}
+#else
+constexpr bool kAvailable = false;
+#endif
+
+bool paged_prefill_available(int64_t head_dim) {
+  return kAvailable && (head_dim == 64 || head_dim == 128);
+}
+
+void paged_prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
+                   const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& context_lens,
+                   const at::Tensor& block_tables, int64_t block_size, double scale) {
+  TORCH_CHECK(paged_prefill_available(query.size(2)), "paged_prefill: needs AVX512-BF16 and a head size of 64 or 128");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && k_pool.dim() == 3, "paged_prefill: query/out [T,H,D], pool [kvH,S,D]");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
+                  v_pool.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "paged_prefill: bf16 only");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "paged_prefill: the head dimension must be contiguous");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes(),
+              "paged_prefill: the pool must be contiguous");
+  TORCH_CHECK(query.size(2) == k_pool.size(2) && out.sizes() == query.sizes(), "paged_prefill: shapes must agree");
+  TORCH_CHECK(query.size(1) % k_pool.size(0) == 0, "paged_prefill: heads must be a multiple of kv heads");
+  for (const auto* t : {&q_starts, &q_lens, &context_lens, &block_tables}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "paged_prefill: metadata is contiguous int32");
+  }
+  const int64_t num_spans = q_starts.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(q_lens.size(0) == num_spans && context_lens.size(0) == num_spans && block_tables.size(0) == num_spans,
+              "paged_prefill: one start, length, context and table per span");
+#if defined(__AVX512BF16__)
+  const int32_t* starts = q_starts.data_ptr<int32_t>();
+  const int32_t* lens = q_lens.data_ptr<int32_t>();
+  const int32_t* ctxs = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_pool.size(1) / block_size, dim = query.size(2);
+  std::vector<SpanLayout> spans(num_spans);
+  int64_t kt_offset = 0, vf_offset = 0;
+  for (int64_t si = 0; si < num_spans; ++si) {  // every index the kernel will follow, checked before it runs
+    const int64_t q0 = starts[si], n = lens[si], ctx = ctxs[si];
+    TORCH_CHECK(n >= 1 && q0 >= 0 && q0 + n <= query.size(0), "paged_prefill: span ", si, " is not in the row");
+    TORCH_CHECK(ctx >= n && ctx <= max_blocks * block_size, "paged_prefill: context ", ctx, " does not fit its table");
+    for (int64_t blk = 0; blk * block_size < ctx; ++blk) {
+      const int32_t id = tables[si * max_blocks + blk];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_prefill: block ", id, " is not in the pool");
+    }
+    const int64_t tiles = (ctx + kTile - 1) / kTile;
+    spans[si] = SpanLayout{q0, n, ctx, tiles, kt_offset, vf_offset};
+    kt_offset += k_pool.size(0) * tiles * kTile * (dim / 2);
+    vf_offset += k_pool.size(0) * tiles * (kTile / 2) * dim;
+  }
+  if (dim == 64) {
+    prefill<64>(query, k_pool, v_pool, out, spans, tables, max_blocks, block_size, scale);
+  } else {
+    prefill<128>(query, k_pool, v_pool, out, spans, tables, max_blocks, block_size, scale);
+  }
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def(
+      "paged_prefill(Tensor query, Tensor k_pool, Tensor v_pool, Tensor(a!) out, Tensor q_starts, Tensor q_lens, "
+      "Tensor context_lens, Tensor block_tables, int block_size, float scale) -> ()");
+  m.def("paged_prefill_available(int head_dim) -> bool", &paged_prefill_available);
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
