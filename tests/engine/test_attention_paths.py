@@ -7,9 +7,11 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from server.engine import model_runner
-from server.models.loader import load_model
+from server.kv import kernels
+from server.models.loader import ModelSpec, load_model
 from tests.helpers import make_engine, reference_greedy, run
 
 
@@ -229,3 +231,86 @@ def test_timing_a_lone_row_picks_the_fastest_way(tiny32, monkeypatch):
     assert route.way == routing.KERNEL
     assert "kernel 0 us" in route.describe
     assert "head 1 us" in route.describe
+
+
+@pytest.fixture(scope="module")
+def wide_heads_bf16(tmp_path_factory):
+    """A tiny Llama with head size 64 in bf16: the shapes the paged prefill kernel serves."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny import build_tokenizer
+
+    directory = tmp_path_factory.mktemp("wide-heads")
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    spec = ModelSpec(id="wide", source=str(directory), dtype="bfloat16", device="cpu", max_context=4096)
+    return load_model(spec, Path("unused")), directory
+
+
+async def test_prefill_chunks_of_one_step_go_to_the_prefill_kernel_in_one_call(wide_heads_bf16, monkeypatch):
+    """Two prompts prefilled side by side in chunks, later chunks reading earlier ones' K/V through the table: the
+    first token's log-probabilities are as close to float64's as the SDPA path's (greedy ids may part later: bf16
+    rounds differently on each path, as it does between batch neighbours)."""
+    from transformers import LlamaForCausalLM
+
+    loaded, directory = wide_heads_bf16
+    prompts = [
+        words(loaded, "The quick brown fox jumps over the lazy dog. " * 6),
+        words(loaded, "Paris is the capital of France; Berlin is the capital of Germany. " * 3),
+    ]
+    exact = LlamaForCausalLM.from_pretrained(directory).to(torch.bfloat16).to(torch.float64)  # bf16 weights, in fp64
+    with torch.inference_mode():
+        want = [torch.log_softmax(exact(torch.tensor([p])).logits[0, -1], -1) for p in prompts]
+    errors: dict[bool, float] = {}
+    chunks_seen: dict[bool, list[int]] = {}
+    behind: list[int] = []  # keys before a chunk's own tokens, per chunk the kernel took
+    for use_kernel in (True, False):
+        engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4, max_batch_tokens=8)
+        if not kernels.paged_prefill_available(torch.bfloat16, 64):
+            engine.stop()
+            pytest.skip("no AVX512-BF16 build: prefill chunks use SDPA")
+        engine.runner.prefill_kernel = use_kernel
+        seen = chunks_seen.setdefault(use_kernel, [])
+        prepare = engine.runner._prepare
+
+        def spy(rows, prepare=prepare, seen=seen):
+            meta, *rest = prepare(rows)
+            seen.append(0 if meta.prefill is None else meta.prefill.q_starts.numel())
+            if meta.prefill is not None:
+                behind.extend((meta.prefill.context_lens - meta.prefill.q_lens).tolist())
+            return (meta, *rest)
+
+        monkeypatch.setattr(engine.runner, "_prepare", spy)
+        try:
+            got = await asyncio.gather(
+                *(run(engine, p, rid=f"r{i}", max_tokens=1, num_logprobs=5) for i, p in enumerate(prompts))
+            )
+        finally:
+            engine.stop()
+        errors[use_kernel] = max(
+            abs(logprob - float(reference[token]))
+            for result, reference in zip(got, want, strict=True)
+            for token, logprob in result.logprobs[0].top
+        )
+        for result, reference in zip(got, want, strict=True):
+            assert result.token_ids == [int(reference.argmax())]
+    assert max(chunks_seen[True]) == 2  # both prompts' chunks in one call
+    assert max(behind) > 0  # and chunks that read earlier chunks' K/V from the pool
+    assert max(chunks_seen[False]) == 0  # the SDPA path: spans
+    assert errors[True] < 0.5, errors  # a chunk that missed its earlier keys is off by units
+    assert errors[True] <= 2 * errors[False] + 0.05, errors
