@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if command == "prepare":
         return _prepare(settings)
+    from server.engine.threads import confine_to_one_team
+
+    confine_to_one_team()  # before torch is imported: one OpenMP team, the engine's (server/engine/threads.py)
     import uvicorn
 
     from server.app import create_app

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
+from server.engine.threads import use_compute_threads
 from server.kv.block_store import KNOWN_LIMIT, BlockStore
 from server.kv.fingerprints import FingerprintBoard
 from server.kv.redis_blocks import RedisBlocks
@@ -150,6 +151,7 @@ class ModelHost:
             )
 
     def _load_all(self) -> None:
+        use_compute_threads()  # loading computes (digests, dtype timing, packing); the team ends with this thread
         for state in self.states.values():
             if self._is_closed:
                 return

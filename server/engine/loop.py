@@ -23,6 +23,7 @@ from server.engine.request import CANCELLED, SHUTTING_DOWN, SLOW_READER, Admitte
 from server.engine.sampler import batch_greedy, batch_sample
 from server.engine.scheduler import Admission, Row, Scheduler
 from server.engine.sequence import Sequence, SequenceStatus
+from server.engine.threads import use_compute_threads
 from server.kv import offload
 from server.kv.blocks import BlockManager
 from server.kv.offload import Offloader
@@ -87,6 +88,7 @@ class EngineLoop:
     def run(self) -> None:
         """The engine thread's body, until the inbox closes; then everything still here is answered."""
         self._thread = threading.current_thread()
+        use_compute_threads()  # this thread's OpenMP team is the process's one (server/engine/threads.py)
         torch.set_grad_enabled(False)
         while not self._inbox.is_closed:
             items = self._inbox.take(block=not (self.scheduler.running or self.scheduler.waiting))  # books at rest

@@ -84,10 +84,13 @@ class Sampler:
 
 
 def batch_greedy(logits: torch.Tensor, rows: list[int]) -> list[int]:
-    """The argmax of each of these rows of the step's logits [R, V], in one call."""
-    if len(rows) == logits.shape[0]:
-        return logits.argmax(dim=-1).tolist()
-    return logits[rows].argmax(dim=-1).tolist()
+    """The argmax of each of these rows of the step's logits [R, V], in one call.
+
+    In float32: bf16 to float32 is exact (the same argmax, ties to the same first index), and torch's argmax
+    over bf16 is not vectorised on the CPU: 735 us for 8 rows of the default model's vocabulary, 149 us this way.
+    """
+    picked = logits if len(rows) == logits.shape[0] else logits[rows]
+    return picked.float().argmax(dim=-1).tolist()
 
 
 def batch_sample(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
