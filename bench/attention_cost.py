@@ -74,7 +74,7 @@ def compare(context: int, batch: int, dtype: torch.dtype) -> tuple[float, float]
     return best_us(per_sequence), best_us(kernel)
 
 
-def cascade(batch: int, head: int, tail: int, dtype: torch.dtype) -> tuple[float, float, float]:
+def cascade(batch: int, head: int, tail: int, dtype: torch.dtype) -> tuple[float, ...]:
     """Rows sharing `head` keys (one run of blocks) with `tail` keys each in scattered blocks: us per layer."""
     num_blocks = 4096
     k_pool = torch.randn(KV_HEADS, num_blocks * BLOCK, DIM, dtype=dtype)
@@ -109,7 +109,16 @@ def cascade(batch: int, head: int, tail: int, dtype: torch.dtype) -> tuple[float
     def with_head() -> None:
         kernel(first_keys, *attend_heads(query, k_pool, v_pool, heads, scale))
 
-    return best_us(gathered_sdpa), best_us(lambda: kernel(empty, empty, empty)), best_us(with_head)
+    timed = [best_us(gathered_sdpa), best_us(lambda: kernel(empty, empty, empty)), best_us(with_head)]
+    if dtype == torch.bfloat16 and kernels.paged_prefill_available(dtype, DIM):  # the head read by the kernel
+        blocks = torch.tensor(shared, dtype=torch.int32)
+        by_kernel = [SharedHead(torch.arange(batch), head, shared[0] * BLOCK, None, blocks)]
+
+        def kernel_head() -> None:
+            kernel(first_keys, *attend_heads(query, k_pool, v_pool, by_kernel, scale, BLOCK))
+
+        timed.append(best_us(kernel_head))
+    return tuple(timed)
 
 
 def prefill(chunk: int, context: int) -> tuple[float, float]:
@@ -159,13 +168,17 @@ def main() -> None:
                 name = str(dtype).removeprefix("torch.")
                 print(f"{name:<9} {context:7d} {batch:5d} {sdpa:13.0f} {kernel:8.0f} {kernel / sdpa:12.2f}")
     print(f"\ncascade: {args.head} shared keys (one run) + each row's own tail (scattered blocks)")
-    print(f"{'dtype':<9} {'tail':>5} {'batch':>5} {'SDPA gathered':>14} {'kernel whole':>13} {'head+kernel':>12}")
+    print(
+        f"{'dtype':<9} {'tail':>5} {'batch':>5} {'SDPA gathered':>14} {'kernel whole':>13} {'head+kernel':>12}"
+        f" {'head by kernel':>15}"
+    )
     for dtype in (torch.float32, torch.bfloat16):
         for tail in args.tails:
             for batch in sorted({1, 4, *args.batches}):
-                sdpa, whole, split = cascade(batch, args.head, tail, dtype)
+                sdpa, whole, split, *by_kernel = cascade(batch, args.head, tail, dtype)
                 name = str(dtype).removeprefix("torch.")
-                print(f"{name:<9} {tail:5d} {batch:5d} {sdpa:14.0f} {whole:13.0f} {split:12.0f}")
+                last = f" {by_kernel[0]:15.0f}" if by_kernel else f" {'-':>15}"
+                print(f"{name:<9} {tail:5d} {batch:5d} {sdpa:14.0f} {whole:13.0f} {split:12.0f}{last}")
     if not kernels.paged_prefill_available(torch.bfloat16, DIM):
         print("\nno paged prefill kernel here (it needs AVX512-BF16): prefill chunks are SDPA calls")
         return

@@ -187,7 +187,10 @@ class ModelRunner:
                 for r in keep:
                     r.head = length * bs
                 at = self._long([r.at for r in keep])
-                heads.append(SharedHead(at, length * bs, table[0] * bs, self._head_slots(table[:length])))
+                # read in place by the kernel, once for the rows sharing it (a lone row's: flash, cheaper for one row)
+                blocks = self._int32(table[:length]) if self.prefill_kernel and len(keep) > 1 else None
+                slots = None if blocks is not None else self._head_slots(table[:length])
+                heads.append(SharedHead(at, length * bs, table[0] * bs, slots, blocks))
                 taken += keep
         return heads, taken
 
@@ -218,6 +221,9 @@ class ModelRunner:
 
         starts, lens, ctxs = int32([c[0] for c in chunks]), int32([c[1] for c in chunks]), int32([c[2] for c in chunks])
         return PrefillRows(starts, lens, ctxs, int32(tables))
+
+    def _int32(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=self.device)
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -83,6 +83,7 @@ class SharedHead:
     length: int  # keys 0 .. length - 1
     first_slot: int  # when the head's slots are one run: the slot of key 0
     slots: torch.Tensor | None  # [length] slot ids when they are not one run (gathered once per layer)
+    blocks: torch.Tensor | None = None  # [length / block size] int32: the head's blocks, for the paged kernel
 
     def kv(self, pool: torch.Tensor) -> torch.Tensor:
         """[kvH, length, D]: a view of the pool, or a gather of it."""
@@ -179,7 +180,8 @@ def paged_attention(
         d = step.decode
         first_keys = head_out = head_lse = _EMPTY
         if d.first_keys is not None and sliding_window is None and softcap is None:
-            first_keys, (head_out, head_lse) = d.first_keys, attend_heads(query, k_pool, v_pool, d.heads, scale)
+            heads = attend_heads(query, k_pool, v_pool, d.heads, scale, step.pool.block_size)
+            first_keys, (head_out, head_lse) = d.first_keys, heads
         torch.ops.kvserve.paged_decode(
             query[0].transpose(0, 1),  # [T, H, D], a view
             k_pool,
@@ -214,18 +216,35 @@ _EMPTY = torch.empty(0)
 
 
 def attend_heads(
-    query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, heads: list[SharedHead], scale: float
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    heads: list[SharedHead],
+    scale: float,
+    block_size: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each head's rows against its keys in one flash call: ([Bh, H, D] output, [Bh, H] log-sum-exp).
+    """Each head's rows against its keys in one call: ([Bh, H, D] output, [Bh, H] log-sum-exp).
 
-    A kv head's G query heads of all n rows go in as one sequence of G * n queries (no mask: the head's
-    keys all precede every row's token), so the call reads each shared key once for every row.
+    A head with its blocks goes to the paged kernel (`kvserve::paged_shared_keys`: the keys read in place
+    through its blocks, once for all rows); otherwise to torch's CPU flash attention, a kv head's G query
+    heads of all n rows as one sequence of G * n queries (no mask: the head's keys all precede every row's
+    token), on a view of the pool or a gather of its slots.
     """
     num_heads, dim = query.shape[1], query.shape[3]
     kv_heads = k_pool.shape[0]
     outs, lses = [], []
     for head in heads:
         n = head.rows.numel()
+        if head.blocks is not None:
+            rows = query[0].index_select(1, head.rows).transpose(0, 1)  # [n, H, D]
+            o = rows.new_empty(rows.shape)
+            lse = torch.empty((n, num_heads), dtype=torch.float32, device=rows.device)
+            torch.ops.kvserve.paged_shared_keys(
+                rows, k_pool, v_pool, o, lse, head.blocks, head.length, block_size, scale
+            )
+            outs.append(o)
+            lses.append(lse)
+            continue
         q = query[0].index_select(1, head.rows).view(1, kv_heads, num_heads // kv_heads * n, dim)
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, head.kv(k_pool)[None], head.kv(v_pool)[None], scale=scale

@@ -314,3 +314,56 @@ async def test_prefill_chunks_of_one_step_go_to_the_prefill_kernel_in_one_call(w
     assert max(chunks_seen[False]) == 0  # the SDPA path: spans
     assert errors[True] < 0.5, errors  # a chunk that missed its earlier keys is off by units
     assert errors[True] <= 2 * errors[False] + 0.05, errors
+
+
+async def test_rows_behind_one_cached_prefix_read_it_through_the_kernel_as_exactly_as_through_flash(
+    wide_heads_bf16, monkeypatch
+):
+    """Cascade heads by the paged kernel (its blocks read in place, once for all rows): the log-probabilities of
+    each decoded token are as close to float64's as with torch's flash attention for the heads."""
+    from transformers import LlamaForCausalLM
+
+    loaded, directory = wide_heads_bf16
+    system = words(loaded, "You are a terse assistant who answers in one word. " * 8)
+    prompts = [system + words(loaded, tail) for tail in ("Paris is", "Rome was", "The sea")]
+    errors: dict[bool, float] = {}
+    head_blocks: dict[bool, list[bool]] = {}
+    exact = LlamaForCausalLM.from_pretrained(directory).to(torch.bfloat16).to(torch.float64)
+    for use_kernel in (True, False):
+        engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
+        if not kernels.paged_prefill_available(torch.bfloat16, 64):
+            engine.stop()
+            pytest.skip("no AVX512-BF16 build: heads use flash attention")
+        monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 8)  # every decode row here is long
+        engine.runner.prefill_kernel = use_kernel
+        seen = head_blocks.setdefault(use_kernel, [])
+        prepare = engine.runner._prepare
+
+        def spy(rows, prepare=prepare, seen=seen):
+            meta, *rest = prepare(rows)
+            if meta.decode is not None:
+                seen.extend(head.blocks is not None for head in meta.decode.heads if head.rows.numel() > 1)
+            return (meta, *rest)
+
+        monkeypatch.setattr(engine.runner, "_prepare", spy)
+        try:
+            await run(engine, system, rid="warm", max_tokens=1)  # caches the shared prefix's blocks
+            got = await asyncio.gather(
+                *(run(engine, p, rid=f"r{i}", max_tokens=6, num_logprobs=1) for i, p in enumerate(prompts))
+            )
+        finally:
+            engine.stop()
+        worst = 0.0
+        for prompt, result in zip(prompts, got, strict=True):
+            ids = prompt + result.token_ids
+            with torch.inference_mode():
+                logits = exact(torch.tensor([ids[:-1]])).logits[0, len(prompt) - 1 :]
+            want = torch.log_softmax(logits, -1)
+            for step, lp in enumerate(result.logprobs):
+                worst = max(worst, abs(lp.logprob - float(want[step, lp.token_id])))
+        errors[use_kernel] = worst
+    assert head_blocks[True], "no step shared a head"
+    assert all(head_blocks[True])  # each shared head read by the kernel
+    assert not any(head_blocks[False])  # by flash attention
+    assert errors[True] < 0.5, errors
+    assert errors[True] <= 2 * errors[False] + 0.05, errors

@@ -132,3 +132,40 @@ def test_it_serves_bf16_pools_with_head_sizes_it_was_built_for():
     assert kernels.paged_prefill_available(torch.bfloat16, 128)
     assert not kernels.paged_prefill_available(torch.bfloat16, 96)
     assert not kernels.paged_prefill_available(torch.float32, 64)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block", "rows", "keys"), [(9, 3, 64, 16, 8, 1504), (8, 2, 128, 4, 3, 37)]
+)
+def test_rows_sharing_keys_attend_to_all_of_them_and_report_the_log_sum(heads, kv_heads, dim, block, rows, keys):
+    """A head of cascade attention: every row sees every key; lse is each row and head's log of the softmax sum."""
+    num_blocks = -(-keys // block) + 3
+    k_pool, v_pool = pool(kv_heads, dim, block, num_blocks, seed=4)
+    (table,) = tables_for([(1, keys)], block, num_blocks, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    query = torch.randn(rows, heads, dim, generator=gen).to(torch.bfloat16)  # [n, H, D]
+    out = torch.empty_like(query)
+    lse = torch.empty(rows, heads)
+    blocks = torch.tensor(table, dtype=torch.int32)
+    torch.ops.kvserve.paged_shared_keys(query, k_pool, v_pool, out, lse, blocks, keys, block, dim**-0.5)
+    slots = torch.tensor([table[p // block] * block + p % block for p in range(keys)])
+    k = k_pool[:, slots].double().repeat_interleave(heads // kv_heads, 0)  # [H, keys, D]
+    v = v_pool[:, slots].double().repeat_interleave(heads // kv_heads, 0)
+    scores = torch.einsum("nhd,hkd->nhk", query.double(), k) * dim**-0.5
+    want = torch.einsum("nhk,hkd->nhd", torch.softmax(scores, -1), v)
+    assert (out.double() - want).abs().max().item() < TOLERANCE
+    assert (lse.double() - torch.logsumexp(scores, -1)).abs().max().item() < 1e-3
+
+
+def test_shared_keys_refuse_a_table_too_short():
+    k_pool, v_pool = pool(2, 64, 4, 10, seed=1)
+    query = torch.randn(2, 4, 64).to(torch.bfloat16)
+    out, lse = torch.empty_like(query), torch.empty(2, 4)
+    with pytest.raises(RuntimeError, match="do not fit the table"):
+        torch.ops.kvserve.paged_shared_keys(
+            query, k_pool, v_pool, out, lse, torch.tensor([0, 1], dtype=torch.int32), 9, 4, 0.125
+        )
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        torch.ops.kvserve.paged_shared_keys(
+            query, k_pool, v_pool, out, lse, torch.tensor([0, 10], dtype=torch.int32), 8, 4, 0.125
+        )

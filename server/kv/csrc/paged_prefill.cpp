@@ -119,7 +119,7 @@ __attribute__((always_inline)) inline void accumulate_values(__m512 (*acc)[D / 1
 
 template <int D, int R>
 void rows_of_group(const uint32_t* kt, const uint32_t* vt, const uint16_t* const* q, const int64_t* pos, int rows,
-                   float scale, uint16_t* const* dst) {
+                   float scale, uint16_t* const* dst, float* const* lse) {
   constexpr int DV = D / 16, DP = D / 2;  // fp32 vectors per row; bf16 pairs per row
   constexpr int kStep = kTiles * kTile;   // keys per softmax update
   const float lowest = std::numeric_limits<float>::lowest();  // not -inf: built with -ffast-math
@@ -187,6 +187,7 @@ void rows_of_group(const uint32_t* kt, const uint32_t* vt, const uint16_t* const
     accumulate_values<D, R>(acc, vb, pairs, n / 2);
   }
   for (int r = 0; r < rows; ++r) {
+    if (lse != nullptr) *lse[r] = run_max[r] + std::log(run_sum[r]);  // the log of the softmax's sum
     const __m512 inv = _mm512_set1_ps(1.f / run_sum[r]);
     for (int v = 0; v < DV; ++v) {
       const __m256bh half = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][v], inv));
@@ -198,7 +199,7 @@ void rows_of_group(const uint32_t* kt, const uint32_t* vt, const uint16_t* const
 template <int D>
 void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
              const std::vector<SpanLayout>& spans, const int32_t* tables, int64_t max_blocks, int64_t block_size,
-             double scale) {
+             double scale, bool causal, float* lse_ptr, int64_t lse_row, int64_t lse_head) {
   constexpr int DP = D / 2;
   constexpr int R = D == 64 ? 4 : 2;  // rows walked together: their 16 accumulators stay in registers
   const int64_t num_heads = query.size(1), num_kv_heads = k_pool.size(0), pool_slots = k_pool.size(1);
@@ -226,21 +227,52 @@ void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor
       uint32_t* kdst = kt + s.kt_offset + h * s.tiles * kTile * DP;
       uint16_t* vdst = reinterpret_cast<uint16_t*>(vf + s.vf_offset + h * s.tiles * (kTile / 2) * D);
       const int32_t* table = tables + si * max_blocks;
-      for (int64_t key = 0; key < s.tiles * kTile; ++key) {
-        const int64_t t = key / kTile, l = key % kTile;
-        uint32_t* kt_tile = kdst + t * DP * kTile;
-        // values: key pair jp of tile t, head dimension d -> the 32-bit lane (t, jp, d), this key's half of it
-        uint16_t* v_half = vdst + 2 * (t * (kTile / 2) * D + (l / 2) * D) + (l % 2);
-        if (key >= s.ctx) {  // padding of the last tile: zeros (always masked)
-          for (int c = 0; c < DP; ++c) kt_tile[c * kTile + l] = 0;
-          for (int d = 0; d < D; ++d) v_half[2 * d] = 0;
-          continue;
+      const uint32_t* k_head = k32 + h * pool_slots * DP;
+      const uint16_t* v_head = v16 + h * pool_slots * D;
+      alignas(64) static const uint16_t zeros[D] = {};
+      // bf16 pairs (a[i], b[i]): lanes 2i and 2i + 1 of the output take a's and b's element i
+      alignas(64) uint16_t lo_idx[32], hi_idx[32];
+      for (int i = 0; i < 32; ++i) {
+        lo_idx[i] = static_cast<uint16_t>((i % 2 ? 32 : 0) + i / 2);
+        hi_idx[i] = static_cast<uint16_t>((i % 2 ? 32 : 0) + 16 + i / 2);
+      }
+      const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+      for (int64_t t = 0; t < s.tiles; ++t) {
+        alignas(64) int32_t offsets[kTile];
+        const uint16_t* rows[kTile];
+        __mmask16 valid = 0;
+        for (int l = 0; l < kTile; ++l) {
+          const int64_t key = t * kTile + l;
+          if (key < s.ctx) {
+            const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+            offsets[l] = static_cast<int32_t>(slot * DP);
+            rows[l] = v_head + slot * D;
+            valid = static_cast<__mmask16>(valid | (1u << l));
+          } else {  // padding of the last tile: zeros (always masked)
+            offsets[l] = 0;
+            rows[l] = zeros;
+          }
         }
-        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
-        const uint32_t* k_src = k32 + (h * pool_slots + slot) * DP;
-        for (int c = 0; c < DP; ++c) kt_tile[c * kTile + l] = k_src[c];
-        const uint16_t* v_src = v16 + (h * pool_slots + slot) * D;
-        for (int d = 0; d < D; ++d) v_half[2 * d] = v_src[d];
+        // keys: pair c of the 16 keys' rows, gathered into one vector (16 keys across the lanes)
+        uint32_t* kt_tile = kdst + t * DP * kTile;
+        const __m512i at = _mm512_load_si512(offsets);
+        for (int c = 0; c < DP; ++c) {
+          const __m512i idx = _mm512_add_epi32(at, _mm512_set1_epi32(c));
+          const __m512i keys = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, k_head, 4);
+          _mm512_storeu_si512(kt_tile + c * kTile, keys);
+        }
+        // values: keys 2jp and 2jp + 1 interleaved, 32 head dimensions per pair of vectors
+        uint16_t* vt_tile = vdst + 2 * t * (kTile / 2) * D;
+        for (int jp = 0; jp < kTile / 2; ++jp) {
+          const uint16_t* a = rows[2 * jp];
+          const uint16_t* b = rows[2 * jp + 1];
+          for (int d = 0; d < D; d += 32) {
+            const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
+            uint16_t* dst = vt_tile + 2 * (jp * D + d);
+            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(va, hi, vb));
+          }
+        }
       }
     }
   });
@@ -265,15 +297,17 @@ void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor
       const uint16_t* q[R];
       uint16_t* dst[R];
       int64_t pos[R];
+      float* lse[R];
       for (int r = 0; r < rows; ++r) {
         const int64_t row = s.q_start + i0 + r;
         q[r] = q_ptr + row * q_row + head * q_head;
         dst[r] = o_ptr + row * o_row + head * o_head;
-        pos[r] = s.ctx - s.q_len + i0 + r;
+        pos[r] = causal ? s.ctx - s.q_len + i0 + r : s.ctx - 1;  // not causal: every row sees every key
+        if (lse_ptr != nullptr) lse[r] = lse_ptr + row * lse_row + head * lse_head;
       }
       const uint32_t* kh = kt + s.kt_offset + h * s.tiles * kTile * DP;
       const uint32_t* vh = vf + s.vf_offset + h * s.tiles * (kTile / 2) * D;
-      rows_of_group<D, R>(kh, vh, q, pos, rows, static_cast<float>(scale), dst);
+      rows_of_group<D, R>(kh, vh, q, pos, rows, static_cast<float>(scale), dst, lse_ptr != nullptr ? lse : nullptr);
     }
   });
 }
@@ -301,10 +335,11 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::
   for (const auto* t : {&q_starts, &q_lens, &context_lens, &block_tables}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "paged_prefill: metadata is contiguous int32");
   }
-  const int64_t num_spans = q_starts.size(0), max_blocks = block_tables.size(1);
+  const int64_t num_spans = q_starts.size(0);
   TORCH_CHECK(q_lens.size(0) == num_spans && context_lens.size(0) == num_spans && block_tables.size(0) == num_spans,
               "paged_prefill: one start, length, context and table per span");
 #if defined(__AVX512BF16__)
+  const int64_t max_blocks = block_tables.size(1);
   const int32_t* starts = q_starts.data_ptr<int32_t>();
   const int32_t* lens = q_lens.data_ptr<int32_t>();
   const int32_t* ctxs = context_lens.data_ptr<int32_t>();
@@ -326,9 +361,54 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::
     vf_offset += k_pool.size(0) * tiles * (kTile / 2) * dim;
   }
   if (dim == 64) {
-    prefill<64>(query, k_pool, v_pool, out, spans, tables, max_blocks, block_size, scale);
+    prefill<64>(query, k_pool, v_pool, out, spans, tables, max_blocks, block_size, scale, true, nullptr, 0, 0);
   } else {
-    prefill<128>(query, k_pool, v_pool, out, spans, tables, max_blocks, block_size, scale);
+    prefill<128>(query, k_pool, v_pool, out, spans, tables, max_blocks, block_size, scale, true, nullptr, 0, 0);
+  }
+#endif
+}
+
+// Rows that all see the same keys (a head of cascade attention: keys several decode rows share): every row of
+// query attends to keys 0 .. num_keys - 1 read through block_table, no mask; out gets the attention, lse the log
+// of each row and head's softmax sum (for the decode kernel to resume from).
+//   query [n, H, D] bf16, out [n, H, D] bf16 (D contiguous), lse [n, H] float32, block_table [M] int32
+void paged_shared_keys(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
+                       at::Tensor& lse, const at::Tensor& block_table, int64_t num_keys, int64_t block_size,
+                       double scale) {
+  TORCH_CHECK(paged_prefill_available(query.size(2)), "paged_shared_keys: needs AVX512-BF16 and a head size of 64 or 128");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
+              "paged_shared_keys: query/out [n,H,D], pool [kvH,S,D]");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
+                  v_pool.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "paged_shared_keys: bf16 only");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "paged_shared_keys: the head dimension and the pool must be contiguous");
+  TORCH_CHECK(query.size(2) == k_pool.size(2) && query.size(1) % k_pool.size(0) == 0,
+              "paged_shared_keys: head sizes must agree, heads a multiple of kv heads");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == query.size(0) &&
+                  lse.size(1) == query.size(1),
+              "paged_shared_keys: lse is [n, H] float32");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 1,
+              "paged_shared_keys: the block table is contiguous int32");
+  TORCH_CHECK(num_keys >= 1 && num_keys <= block_table.size(0) * block_size, "paged_shared_keys: ", num_keys,
+              " keys do not fit the table");
+  TORCH_CHECK(query.size(0) >= 1, "paged_shared_keys: no rows");
+#if defined(__AVX512BF16__)
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t num_blocks = k_pool.size(1) / block_size, dim = query.size(2);
+  for (int64_t blk = 0; blk * block_size < num_keys; ++blk) {
+    TORCH_CHECK(table[blk] >= 0 && table[blk] < num_blocks, "paged_shared_keys: block ", table[blk], " is not in the pool");
+  }
+  const int64_t tiles = (num_keys + kTile - 1) / kTile;
+  std::vector<SpanLayout> spans{SpanLayout{0, query.size(0), num_keys, tiles, 0, 0}};
+  float* lse_ptr = lse.data_ptr<float>();
+  const int64_t width = block_table.size(0);
+  if (dim == 64) {
+    prefill<64>(query, k_pool, v_pool, out, spans, table, width, block_size, scale, false, lse_ptr, lse.stride(0),
+                lse.stride(1));
+  } else {
+    prefill<128>(query, k_pool, v_pool, out, spans, table, width, block_size, scale, false, lse_ptr, lse.stride(0),
+                 lse.stride(1));
   }
 #endif
 }
@@ -337,9 +417,15 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
+      "paged_shared_keys(Tensor query, Tensor k_pool, Tensor v_pool, Tensor(a!) out, Tensor(b!) lse, "
+      "Tensor block_table, int num_keys, int block_size, float scale) -> ()");
+  m.def(
       "paged_prefill(Tensor query, Tensor k_pool, Tensor v_pool, Tensor(a!) out, Tensor q_starts, Tensor q_lens, "
       "Tensor context_lens, Tensor block_tables, int block_size, float scale) -> ()");
   m.def("paged_prefill_available(int head_dim) -> bool", &paged_prefill_available);
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("paged_prefill", &paged_prefill);
+  m.impl("paged_shared_keys", &paged_shared_keys);
+}
