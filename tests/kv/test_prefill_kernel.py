@@ -169,3 +169,38 @@ def test_shared_keys_refuse_a_table_too_short():
         torch.ops.kvserve.paged_shared_keys(
             query, k_pool, v_pool, out, lse, torch.tensor([0, 10], dtype=torch.int32), 8, 4, 0.125
         )
+
+
+def passes_for(spans, kv_heads: int, dim: int, limit: int) -> int:
+    """Passes of (span, kv head) pairs, each pass's key and value layouts within `limit` bytes (or one pair)."""
+    passes, used = 0, 0
+    for _, ctx in spans:
+        pair = -(-ctx // 16) * 16 * dim * 4
+        for _ in range(kv_heads):
+            if used and used + pair > limit:
+                passes, used = passes + 1, 0
+            used += pair
+    return passes + 1
+
+
+@pytest.mark.parametrize("limit", [1, 40_000], ids=["a pass per head", "passes across spans"])
+def test_spans_and_heads_cut_into_passes_by_the_scratch_limit_answer_the_same(limit):
+    """A step whose key layouts outgrow the scratch limit runs in passes of (span, kv head) pairs."""
+    spans, block = [(5, 5), (33, 300), (16, 16), (7, 90)], 4
+    num_blocks = sum(-(-c // block) for _, c in spans) + 5
+    k_pool, v_pool = pool(3, 64, block, num_blocks, seed=7)
+    tables = tables_for(spans, block, num_blocks, seed=8)
+    query = torch.randn(1, 9, sum(q for q, _ in spans), 64, generator=torch.Generator().manual_seed(9))
+    query = query.to(torch.bfloat16)
+    start = torch.ops.kvserve.paged_prefill_passes()
+    whole = run_kernel(query, k_pool, v_pool, spans, tables, block)
+    assert torch.ops.kvserve.paged_prefill_passes() == start + 1  # within the default limit: one pass
+    before = torch.ops.kvserve.paged_prefill_scratch_limit(limit)
+    try:
+        cut = run_kernel(query, k_pool, v_pool, spans, tables, block)
+    finally:
+        torch.ops.kvserve.paged_prefill_scratch_limit(before)
+    assert torch.ops.kvserve.paged_prefill_passes() == start + 1 + passes_for(spans, 3, 64, limit)
+    assert passes_for(spans, 3, 64, limit) > 1
+    assert torch.equal(cut, whole)
+    assert torch.ops.kvserve.paged_prefill_scratch_limit(0) == before

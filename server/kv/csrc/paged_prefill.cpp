@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -38,13 +39,25 @@ namespace {
 
 constexpr int64_t kTile = 16;  // keys per tile: one zmm of fp32 scores
 constexpr int kTiles = 4;      // tiles per softmax update: its max, rescale and sums are paid once per 64 keys
+std::atomic<int64_t> scratch_limit{int64_t{64} << 20};  // bytes of key/value layout one pass may hold
+std::atomic<int64_t> passes_run{0};                      // passes since load (tests count them)
+
+int64_t paged_prefill_passes() { return passes_run.load(); }
+
+// Sets the scratch limit when bytes > 0 (tests make passes small); returns the limit before.
+int64_t paged_prefill_scratch_limit(int64_t bytes) {
+  return bytes > 0 ? scratch_limit.exchange(bytes) : scratch_limit.load();
+}
 
 #if defined(__AVX512BF16__)
 constexpr bool kAvailable = true;
 
+// A span's kv heads h0 .. h1 - 1 in one pass of the kernel (a step's spans and heads are cut into passes whose
+// key and value layouts fit the scratch limit together).
 struct SpanLayout {
   int64_t q_start, q_len, ctx, tiles;
-  int64_t kt_offset, vf_offset;  // into the scratch buffers, per kv head: + kv_head * (tiles * ...)
+  int64_t kt_offset, vf_offset;  // into the scratch buffers, for head h0; each further head adds its size
+  int64_t table_row, h0, h1;     // its row of the block tables; its kv heads in this pass
 };
 
 // e^x for x <= 0 in 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series to r^6
@@ -206,8 +219,8 @@ void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor
   const int64_t groups = num_heads / num_kv_heads;
   int64_t kt_total = 0, vf_total = 0;
   for (const auto& s : spans) {
-    kt_total = std::max(kt_total, s.kt_offset + num_kv_heads * s.tiles * kTile * DP);
-    vf_total = std::max(vf_total, s.vf_offset + num_kv_heads * s.tiles * (kTile / 2) * D);
+    kt_total = std::max(kt_total, s.kt_offset + (s.h1 - s.h0) * s.tiles * kTile * DP);
+    vf_total = std::max(vf_total, s.vf_offset + (s.h1 - s.h0) * s.tiles * (kTile / 2) * D);
   }
   // Scratch of the calling thread, grown when a step needs more (every element is written before it is read).
   static thread_local std::vector<uint32_t> kt_buffer;
@@ -219,14 +232,17 @@ void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor
   const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>());
   const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
   const int64_t num_spans = static_cast<int64_t>(spans.size());
+  std::vector<int64_t> first_pair(num_spans + 1, 0);  // phase 1 items: (span, kv head) pairs
+  for (int64_t si = 0; si < num_spans; ++si) first_pair[si + 1] = first_pair[si] + spans[si].h1 - spans[si].h0;
 
-  at::parallel_for(0, num_spans * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first_pair[num_spans], 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t si = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t si = std::upper_bound(first_pair.begin(), first_pair.end(), item) - first_pair.begin() - 1;
       const SpanLayout& s = spans[si];
-      uint32_t* kdst = kt + s.kt_offset + h * s.tiles * kTile * DP;
-      uint16_t* vdst = reinterpret_cast<uint16_t*>(vf + s.vf_offset + h * s.tiles * (kTile / 2) * D);
-      const int32_t* table = tables + si * max_blocks;
+      const int64_t h = s.h0 + item - first_pair[si];
+      uint32_t* kdst = kt + s.kt_offset + (h - s.h0) * s.tiles * kTile * DP;
+      uint16_t* vdst = reinterpret_cast<uint16_t*>(vf + s.vf_offset + (h - s.h0) * s.tiles * (kTile / 2) * D);
+      const int32_t* table = tables + s.table_row * max_blocks;
       const uint32_t* k_head = k32 + h * pool_slots * DP;
       const uint16_t* v_head = v16 + h * pool_slots * D;
       alignas(64) static const uint16_t zeros[D] = {};
@@ -280,7 +296,7 @@ void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor
   // Phase 2 items: (span, kv head, group head, group of R tokens); a span's groups are numbered from its base.
   std::vector<int64_t> first_item(num_spans + 1, 0);
   for (int64_t si = 0; si < num_spans; ++si) {
-    first_item[si + 1] = first_item[si] + num_kv_heads * groups * ((spans[si].q_len + R - 1) / R);
+    first_item[si + 1] = first_item[si] + (spans[si].h1 - spans[si].h0) * groups * ((spans[si].q_len + R - 1) / R);
   }
   const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
   uint16_t* o_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -291,7 +307,8 @@ void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor
       const SpanLayout& s = spans[si];
       const int64_t local = item - first_item[si];
       const int64_t num_groups = (s.q_len + R - 1) / R;
-      const int64_t h = local / (groups * num_groups), g = (local / num_groups) % groups, grp = local % num_groups;
+      const int64_t h = s.h0 + local / (groups * num_groups), g = (local / num_groups) % groups;
+      const int64_t grp = local % num_groups;
       const int64_t head = h * groups + g, i0 = grp * R;
       const int rows = static_cast<int>(std::min<int64_t>(R, s.q_len - i0));
       const uint16_t* q[R];
@@ -305,14 +322,56 @@ void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor
         pos[r] = causal ? s.ctx - s.q_len + i0 + r : s.ctx - 1;  // not causal: every row sees every key
         if (lse_ptr != nullptr) lse[r] = lse_ptr + row * lse_row + head * lse_head;
       }
-      const uint32_t* kh = kt + s.kt_offset + h * s.tiles * kTile * DP;
-      const uint32_t* vh = vf + s.vf_offset + h * s.tiles * (kTile / 2) * D;
+      const uint32_t* kh = kt + s.kt_offset + (h - s.h0) * s.tiles * kTile * DP;
+      const uint32_t* vh = vf + s.vf_offset + (h - s.h0) * s.tiles * (kTile / 2) * D;
       rows_of_group<D, R>(kh, vh, q, pos, rows, static_cast<float>(scale), dst, lse_ptr != nullptr ? lse : nullptr);
     }
   });
 }
 #else
 constexpr bool kAvailable = false;
+#endif
+
+#if defined(__AVX512BF16__)
+// Cuts the spans' (span, kv head) pairs into passes whose key and value layouts fit the scratch limit (a pair
+// larger than the limit makes a pass of its own) and runs each.
+void run_in_passes(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
+                   const std::vector<SpanLayout>& spans, const int32_t* tables, int64_t max_blocks, int64_t block_size,
+                   double scale, bool causal, float* lse, int64_t lse_row, int64_t lse_head) {
+  const int64_t dim = query.size(2), limit = scratch_limit.load();
+  std::vector<SpanLayout> pass;
+  int64_t used = 0;
+  auto run = [&]() {
+    if (pass.empty()) return;
+    passes_run.fetch_add(1);
+    if (dim == 64) {
+      prefill<64>(query, k_pool, v_pool, out, pass, tables, max_blocks, block_size, scale, causal, lse, lse_row, lse_head);
+    } else {
+      prefill<128>(query, k_pool, v_pool, out, pass, tables, max_blocks, block_size, scale, causal, lse, lse_row, lse_head);
+    }
+    pass.clear();
+    used = 0;
+  };
+  for (const SpanLayout& span : spans) {
+    const int64_t pair_bytes = span.tiles * kTile * dim * 4;  // keys and values of one kv head, 32-bit lanes
+    for (int64_t h = span.h0; h < span.h1; ++h) {
+      if (used > 0 && used + pair_bytes > limit) run();
+      SpanLayout* last = pass.empty() ? nullptr : &pass.back();
+      if (last != nullptr && last->table_row == span.table_row && last->q_start == span.q_start && last->h1 == h) {
+        last->h1 = h + 1;  // the next head of the same span
+      } else {
+        SpanLayout piece = span;
+        piece.h0 = h;
+        piece.h1 = h + 1;
+        piece.kt_offset = used / 2 / 4;  // offsets in 32-bit elements: keys and values take half each
+        piece.vf_offset = used / 2 / 4;
+        pass.push_back(piece);
+      }
+      used += pair_bytes;
+    }
+  }
+  run();
+}
 #endif
 
 bool paged_prefill_available(int64_t head_dim) {
@@ -346,7 +405,6 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t num_blocks = k_pool.size(1) / block_size, dim = query.size(2);
   std::vector<SpanLayout> spans(num_spans);
-  int64_t kt_offset = 0, vf_offset = 0;
   for (int64_t si = 0; si < num_spans; ++si) {  // every index the kernel will follow, checked before it runs
     const int64_t q0 = starts[si], n = lens[si], ctx = ctxs[si];
     TORCH_CHECK(n >= 1 && q0 >= 0 && q0 + n <= query.size(0), "paged_prefill: span ", si, " is not in the row");
@@ -355,16 +413,9 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::
       const int32_t id = tables[si * max_blocks + blk];
       TORCH_CHECK(id >= 0 && id < num_blocks, "paged_prefill: block ", id, " is not in the pool");
     }
-    const int64_t tiles = (ctx + kTile - 1) / kTile;
-    spans[si] = SpanLayout{q0, n, ctx, tiles, kt_offset, vf_offset};
-    kt_offset += k_pool.size(0) * tiles * kTile * (dim / 2);
-    vf_offset += k_pool.size(0) * tiles * (kTile / 2) * dim;
+    spans[si] = SpanLayout{q0, n, ctx, (ctx + kTile - 1) / kTile, 0, 0, si, 0, k_pool.size(0)};
   }
-  if (dim == 64) {
-    prefill<64>(query, k_pool, v_pool, out, spans, tables, max_blocks, block_size, scale, true, nullptr, 0, 0);
-  } else {
-    prefill<128>(query, k_pool, v_pool, out, spans, tables, max_blocks, block_size, scale, true, nullptr, 0, 0);
-  }
+  run_in_passes(query, k_pool, v_pool, out, spans, tables, max_blocks, block_size, scale, true, nullptr, 0, 0);
 #endif
 }
 
@@ -400,16 +451,10 @@ void paged_shared_keys(const at::Tensor& query, const at::Tensor& k_pool, const 
     TORCH_CHECK(table[blk] >= 0 && table[blk] < num_blocks, "paged_shared_keys: block ", table[blk], " is not in the pool");
   }
   const int64_t tiles = (num_keys + kTile - 1) / kTile;
-  std::vector<SpanLayout> spans{SpanLayout{0, query.size(0), num_keys, tiles, 0, 0}};
-  float* lse_ptr = lse.data_ptr<float>();
-  const int64_t width = block_table.size(0);
-  if (dim == 64) {
-    prefill<64>(query, k_pool, v_pool, out, spans, table, width, block_size, scale, false, lse_ptr, lse.stride(0),
-                lse.stride(1));
-  } else {
-    prefill<128>(query, k_pool, v_pool, out, spans, table, width, block_size, scale, false, lse_ptr, lse.stride(0),
-                 lse.stride(1));
-  }
+  std::vector<SpanLayout> spans{SpanLayout{0, query.size(0), num_keys, tiles, 0, 0, 0, 0, k_pool.size(0)}};
+  (void)dim;
+  run_in_passes(query, k_pool, v_pool, out, spans, table, block_table.size(0), block_size, scale, false,
+                lse.data_ptr<float>(), lse.stride(0), lse.stride(1));
 #endif
 }
 
@@ -423,6 +468,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       "paged_prefill(Tensor query, Tensor k_pool, Tensor v_pool, Tensor(a!) out, Tensor q_starts, Tensor q_lens, "
       "Tensor context_lens, Tensor block_tables, int block_size, float scale) -> ()");
   m.def("paged_prefill_available(int head_dim) -> bool", &paged_prefill_available);
+  m.def("paged_prefill_scratch_limit(int bytes) -> int", &paged_prefill_scratch_limit);
+  m.def("paged_prefill_passes() -> int", &paged_prefill_passes);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
