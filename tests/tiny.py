@@ -39,20 +39,19 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_model(vocab_size: int, eos_id: int, seed: int = 0) -> LlamaForCausalLM:
+def build_model(vocab_size: int, eos_id: int, seed: int = 0, **shape: int) -> LlamaForCausalLM:
+    """The tiny Llama in float64; `shape` overrides its sizes (hidden_size=256, num_attention_heads=4: head size 64)."""
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2} | shape
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=4096,
         initializer_range=0.2,  # spread logits apart so greedy picks are never near-ties
         eos_token_id=eos_id,
         bos_token_id=None,
         pad_token_id=0,
         tie_word_embeddings=False,
+        **sizes,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(torch.float64).eval()

@@ -236,27 +236,12 @@ def test_timing_a_lone_row_picks_the_fastest_way(tiny32, monkeypatch):
 @pytest.fixture(scope="module")
 def wide_heads_bf16(tmp_path_factory):
     """A tiny Llama with head size 64 in bf16: the shapes the paged prefill kernel serves."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.tiny import build_tokenizer
+    from tests.tiny import build_model, build_tokenizer
 
     directory = tmp_path_factory.mktemp("wide-heads")
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.2,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    build_model(len(tokenizer), eos, hidden_size=256, intermediate_size=256).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     spec = ModelSpec(id="wide", source=str(directory), dtype="bfloat16", device="cpu", max_context=4096)
     return load_model(spec, Path("unused")), directory
