@@ -203,10 +203,7 @@ class ModelRunner:
     def _decode_rows(self, rows: list[DecodeRow], heads: list[SharedHead]) -> DecodeRows:
         width = max(len(r.table) for r in rows)
         padded = [r.table + [0] * (width - len(r.table)) for r in rows]
-
-        def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
-
+        int32 = self._int32
         lens = int32([r.ctx_len for r in rows])
         first_keys = int32([r.head for r in rows]) if heads else None
         return DecodeRows(int32([r.at for r in rows]), int32(padded), lens, heads, first_keys)
@@ -215,14 +212,11 @@ class ModelRunner:
         bs = self.pool.block_size
         width = max(-(-ctx // bs) for _, _, ctx, _ in chunks)
         tables = [table[:width] + [0] * (width - len(table[:width])) for _, _, _, table in chunks]
-
-        def int32(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
-
+        int32 = self._int32
         starts, lens, ctxs = int32([c[0] for c in chunks]), int32([c[1] for c in chunks]), int32([c[2] for c in chunks])
         return PrefillRows(starts, lens, ctxs, int32(tables))
 
-    def _int32(self, values: list[int]) -> torch.Tensor:
+    def _int32(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
 
     def _long(self, values: list[int]) -> torch.Tensor:

@@ -45,11 +45,7 @@ class LoneRowRoute:
 def time_lone_row(pool: KVPool, num_heads: int) -> LoneRowRoute:
     """Times one decode row of PROBE_CONTEXT keys in layer 0 of `pool` (whose blocks must be free: it writes them)."""
     bs = pool.block_size
-    context = min(PROBE_CONTEXT, pool.num_blocks * bs)
-    num_blocks = -(-context // bs)
-    k_pool, v_pool = pool.k[0], pool.v[0]
-    k_pool[:, : num_blocks * bs].normal_()
-    v_pool[:, : num_blocks * bs].normal_()
+    context, num_blocks, k_pool, v_pool = _probe_blocks(pool)
     device, dim = k_pool.device, k_pool.shape[-1]
     query = torch.randn(1, num_heads, 1, dim, dtype=k_pool.dtype, device=device)
     out = query.new_empty((1, num_heads, dim))
@@ -98,12 +94,8 @@ class PrefillRoute:
 def time_prefill(pool: KVPool, num_heads: int) -> PrefillRoute:
     """Times one prefill chunk in layer 0 of `pool` (whose blocks must be free: it writes them) both ways."""
     bs = pool.block_size
-    context = min(PROBE_CONTEXT, pool.num_blocks * bs)
+    context, num_blocks, k_pool, v_pool = _probe_blocks(pool)
     chunk = min(PROBE_CHUNK, context)
-    num_blocks = -(-context // bs)
-    k_pool, v_pool = pool.k[0], pool.v[0]
-    k_pool[:, : num_blocks * bs].normal_()
-    v_pool[:, : num_blocks * bs].normal_()
     device, dim = k_pool.device, k_pool.shape[-1]
     query = torch.randn(1, num_heads, chunk, dim, dtype=k_pool.dtype, device=device)
     out = query.new_empty((chunk, num_heads, dim))
@@ -124,6 +116,18 @@ def time_prefill(pool: KVPool, num_heads: int) -> PrefillRoute:
 
     times = {KERNEL: _best_us(kernel, PREFILL_REPEATS), SDPA: _best_us(sdpa, PREFILL_REPEATS)}
     return PrefillRoute(min(times, key=times.__getitem__), times)
+
+
+def _probe_blocks(pool: KVPool) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """The probe's keys (PROBE_CONTEXT, or what the pool holds) in layer 0's first blocks, filled with noise:
+    (keys, blocks, k_pool, v_pool)."""
+    bs = pool.block_size
+    context = min(PROBE_CONTEXT, pool.num_blocks * bs)
+    num_blocks = -(-context // bs)
+    k_pool, v_pool = pool.k[0], pool.v[0]
+    k_pool[:, : num_blocks * bs].normal_()
+    v_pool[:, : num_blocks * bs].normal_()
+    return context, num_blocks, k_pool, v_pool
 
 
 def _best_us(fn: Callable[[], object], repeats: int = REPEATS) -> float:
