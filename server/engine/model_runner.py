@@ -26,6 +26,8 @@ from server.kv.attention import (
     attention_inputs,
     install,
 )
+from server.kv.blocks import Block
+from server.kv.head_layouts import HeadLayouts
 from server.kv.pool import KVLayout, KVPool
 from server.kv.routing import HEAD, KERNEL, SDPA, LoneRowRoute, time_lone_row, time_prefill
 from server.models.digest import ModelDigests
@@ -48,6 +50,7 @@ class DecodeRow:
     at: int
     table: list[int]
     ctx_len: int
+    blocks: list[Block]
     head: int = 0
 
 
@@ -93,6 +96,8 @@ class ModelRunner:
             prefill = time_prefill(self.pool, int(text.num_attention_heads))
             self.prefill_kernel = prefill.way == KERNEL
             log.info("model %s: %s", loaded.spec.id, prefill.describe)
+        # Heads the kernel reads keep their layout across steps (within a quarter of the pool, at most 256 MiB).
+        self.head_layouts = HeadLayouts.for_pool(self.layout, block_size, self.pool.nbytes)
         install(loaded.model)
 
     def run(self, rows: list[Row]) -> torch.Tensor:
@@ -127,7 +132,8 @@ class ModelRunner:
             table = [b.block_id for b in row.seq.blocks]
             slots += self.pool.slot_ids(table, start, end)
             if self.uses_kernel and len(row.token_ids) == 1:
-                (kernel_rows if end <= KERNEL_MAX_CONTEXT else long_rows).append(DecodeRow(len(ids), table, end))
+                decode_row = DecodeRow(len(ids), table, end, row.seq.blocks)
+                (kernel_rows if end <= KERNEL_MAX_CONTEXT else long_rows).append(decode_row)
             elif self.prefill_kernel and len(row.token_ids) > 1:
                 chunks.append((len(ids), len(row.token_ids), end, table))
             else:
@@ -165,8 +171,7 @@ class ModelRunner:
         groups: dict[int, list[DecodeRow]] = {}
         for row in rows:
             groups.setdefault(row.table[0], []).append(row)
-        heads: list[SharedHead] = []
-        taken: list[DecodeRow] = []
+        found: list[tuple[list[DecodeRow], int, list[int]]] = []  # (rows, blocks, table)
         for group in groups.values():
             limit = min((r.ctx_len - 1) // bs for r in group)  # whole blocks before every row's own token
             common = _common_prefix([r.table[:limit] for r in group])
@@ -182,16 +187,27 @@ class ModelRunner:
                 else:
                     length = _run_length(table[: (part[0].ctx_len - 1) // bs])
                 keep = [r for r in part if length and r.ctx_len - length * bs <= max(KERNEL_MAX_CONTEXT, length * bs)]
-                if not keep:
-                    continue
-                for r in keep:
-                    r.head = length * bs
-                at = self._long([r.at for r in keep])
-                # read in place by the kernel, once for the rows sharing it (a lone row's: flash, cheaper for one row)
-                blocks = self._int32(table[:length]) if self.prefill_kernel and len(keep) > 1 else None
-                slots = None if blocks is not None else self._head_slots(table[:length])
-                heads.append(SharedHead(at, length * bs, table[0] * bs, slots, blocks))
-                taken += keep
+                if keep:
+                    found.append((keep, length, table))
+        # read in place by the kernel, once for the rows sharing it, from a layout kept across steps where one fits
+        # (a lone row's head: flash, cheaper for one row)
+        by_kernel = [self.prefill_kernel and len(keep) > 1 for keep, _, _ in found]
+        kernel_heads = [(keep[0].blocks, length) for (keep, length, _), k in zip(found, by_kernel, strict=True) if k]
+        stamps = [tuple(b.stamp for b in blocks[:length]) for blocks, length in kernel_heads]
+        laid_out = iter(self.head_layouts.for_step(stamps))
+        heads: list[SharedHead] = []
+        taken: list[DecodeRow] = []
+        for (keep, length, table), kernel in zip(found, by_kernel, strict=True):
+            for r in keep:
+                r.head = length * bs
+            at = self._long([r.at for r in keep])
+            if kernel:
+                heads.append(
+                    SharedHead(at, length * bs, table[0] * bs, None, self._int32(table[:length]), next(laid_out))
+                )
+            else:
+                heads.append(SharedHead(at, length * bs, table[0] * bs, self._head_slots(table[:length])))
+            taken += keep
         return heads, taken
 
     def _head_slots(self, blocks: list[int]) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from server.kv.head_layouts import HeadLayout
 from server.kv.pool import KVPool
 
 ATTN_NAME = "kvserve_paged"
@@ -84,6 +85,7 @@ class SharedHead:
     first_slot: int  # when the head's slots are one run: the slot of key 0
     slots: torch.Tensor | None  # [length] slot ids when they are not one run (gathered once per layer)
     blocks: torch.Tensor | None = None  # [length / block size] int32: the head's blocks, for the paged kernel
+    laid_out: HeadLayout | None = None  # with blocks: the kernel's layout of them, kept across steps
 
     def kv(self, pool: torch.Tensor) -> torch.Tensor:
         """[kvH, length, D]: a view of the pool, or a gather of it."""
@@ -180,7 +182,7 @@ def paged_attention(
         d = step.decode
         first_keys = head_out = head_lse = _EMPTY
         if d.first_keys is not None and sliding_window is None and softcap is None:
-            heads = attend_heads(query, k_pool, v_pool, d.heads, scale, step.pool.block_size)
+            heads = attend_heads(query, k_pool, v_pool, d.heads, scale, step.pool.block_size, layer)
             first_keys, (head_out, head_lse) = d.first_keys, heads
         torch.ops.kvserve.paged_decode(
             query[0].transpose(0, 1),  # [T, H, D], a view
@@ -222,11 +224,13 @@ def attend_heads(
     heads: list[SharedHead],
     scale: float,
     block_size: int = 0,
+    layer: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each head's rows against its keys in one call: ([Bh, H, D] output, [Bh, H] log-sum-exp).
 
-    A head with its blocks goes to the paged kernel (`kvserve::paged_shared_keys`: the keys read in place
-    through its blocks, once for all rows); otherwise to torch's CPU flash attention, a kv head's G query
+    A head with its blocks goes to the paged kernel: from the layout kept for it (`layer` of `laid_out`, made
+    on first use) where it has one, else `kvserve::paged_shared_keys` (the keys read in place through its
+    blocks and laid out, once for all rows); otherwise to torch's CPU flash attention, a kv head's G query
     heads of all n rows as one sequence of G * n queries (no mask: the head's keys all precede every row's
     token), on a view of the pool or a gather of its slots.
     """
@@ -239,9 +243,13 @@ def attend_heads(
             rows = query[0].index_select(1, head.rows).transpose(0, 1)  # [n, H, D]
             o = rows.new_empty(rows.shape)
             lse = torch.empty((n, num_heads), dtype=torch.float32, device=rows.device)
-            torch.ops.kvserve.paged_shared_keys(
-                rows, k_pool, v_pool, o, lse, head.blocks, head.length, block_size, scale
-            )
+            if head.laid_out is not None:
+                keys, values = head.laid_out.of_layer(layer, k_pool, v_pool, head.blocks, head.length)
+                torch.ops.kvserve.shared_keys_from_layout(rows, keys, values, o, lse, head.length, scale)
+            else:
+                torch.ops.kvserve.paged_shared_keys(
+                    rows, k_pool, v_pool, o, lse, head.blocks, head.length, block_size, scale
+                )
             outs.append(o)
             lses.append(lse)
             continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -25,6 +26,8 @@ from typing import TypeVar
 from server.sessions.index import Reach
 from server.sessions.record import common_prefix_len
 
+_STAMPS = itertools.count(1)  # one sequence for the process: no two contents of any block share a stamp
+
 
 @dataclass(slots=True, eq=False)
 class Block:
@@ -33,6 +36,9 @@ class Block:
     parent_hash: int | None = None  # chain position; None while the block holds nothing reusable
     token_ids: list[int] = field(default_factory=list)
     hash: int | None = None  # set once full and registered
+    # Which contents the block holds: a new number each time it is handed out for new contents or cut, so what
+    # was read from it (a kernel layout of its keys, server/kv/head_layouts.py) is known to be current.
+    stamp: int = 0
 
 
 @dataclass(slots=True)
@@ -201,6 +207,7 @@ class BlockManager:
         self.num_reserved -= 1
         block = self._blocks[block_id]
         block.ref_count = 1
+        block.stamp = next(_STAMPS)
         return block
 
     def record(self, block: Block, parent_hash: int, token_ids: list[int]) -> None:
@@ -243,6 +250,7 @@ class BlockManager:
         if block.hash is not None and self._by_hash.get(block.hash) is block:
             del self._by_hash[block.hash]
         block.hash, block.token_ids = None, block.token_ids[:num_tokens]
+        block.stamp = next(_STAMPS)
 
     def _push_free(self, block_id: int) -> None:
         self._free.add(block_id)

@@ -11,6 +11,7 @@ import torch
 
 from server.engine import model_runner
 from server.kv import kernels
+from server.kv.blocks import Block
 from server.models.loader import ModelSpec, load_model
 from tests.helpers import make_engine, reference_greedy, run
 
@@ -120,11 +121,16 @@ async def test_a_lone_long_row_reads_its_leading_run_as_a_head(tiny32, monkeypat
         assert result.token_ids == reference_greedy(tiny32.model, prompt, 16)
 
 
+def decode_row(at: int, table: list[int], ctx_len: int) -> model_runner.DecodeRow:
+    """A decode row on these blocks (each with its stamp: the contents it was handed out for)."""
+    return model_runner.DecodeRow(at, table, ctx_len, [Block(i, stamp=1000 + i) for i in table])
+
+
 def test_heads_group_rows_by_their_shared_blocks(tiny32):
     """Routing: shared full blocks make one head, a lone row's consecutive run its own, a long tail goes to SDPA."""
     engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
     engine.stop()
-    runner, Row = engine.runner, model_runner.DecodeRow
+    runner, Row = engine.runner, decode_row
     runner.lone_rows = model_runner.SDPA  # as where SDPA on a view was timed fastest for a lone long row
     k = model_runner.KERNEL_MAX_CONTEXT
     shared = [90, 7, 3, 50] * (k // 16 + 1)  # scattered blocks, 4 keys each: more keys than the kernel takes
@@ -143,9 +149,37 @@ def test_heads_group_rows_by_their_shared_blocks(tiny32):
     assert (a.head, b.head, lone.head, too_long.head, one_run.head) == (len(shared) * 4, len(shared) * 4, 2 * k, 0, 0)
 
 
+def test_a_head_keeps_its_layout_while_its_blocks_keep_their_stamps(tiny32):
+    """The runner keys a kept layout by its blocks' stamps: the same blocks handed out again (new stamps) get a
+    new layout, and a step without the head drops it."""
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
+    engine.stop()
+    runner = engine.runner
+    runner.prefill_kernel = True  # heads of several rows go to the kernel (routing only: nothing runs here)
+    k = model_runner.KERNEL_MAX_CONTEXT
+    shared = list(range(10, 10 + k // 4 + 2))
+
+    def pair(stamp_base: int) -> list[model_runner.DecodeRow]:
+        blocks = [Block(i, stamp=stamp_base + i) for i in shared]
+        rows = [
+            model_runner.DecodeRow(at, [*shared, 90 + at], len(shared) * 4 + 3, [*blocks, Block(90 + at)])
+            for at in (0, 1)
+        ]
+        return rows
+
+    (first,), _ = runner._heads(pair(1000))
+    (again,), _ = runner._heads(pair(1000))
+    (reused,), _ = runner._heads(pair(5000))
+    assert first.laid_out is not None
+    assert again.laid_out is first.laid_out
+    assert reused.laid_out is not first.laid_out
+    runner._heads([])
+    assert runner.head_layouts.num_kept == 0
+
+
 def lone_rows_case(runner):
     """A shared pair, a lone row on scattered blocks and a lone row on one run of blocks, all long."""
-    Row, k = model_runner.DecodeRow, model_runner.KERNEL_MAX_CONTEXT
+    Row, k = decode_row, model_runner.KERNEL_MAX_CONTEXT
     shared = [90, 7, 3, 50] * (k // 16 + 1)
     a = Row(0, [*shared, 11, 12], len(shared) * 4 + 5)
     b = Row(1, [*shared, 13], len(shared) * 4 + 2)
@@ -352,3 +386,53 @@ async def test_rows_behind_one_cached_prefix_read_it_through_the_kernel_as_exact
     assert not any(head_blocks[False])  # by flash attention
     assert errors[True] < 0.5, errors
     assert errors[True] <= 2 * errors[False] + 0.05, errors
+
+
+async def test_a_head_kept_laid_out_across_steps_answers_exactly_as_one_laid_out_each_call(
+    wide_heads_bf16, monkeypatch
+):
+    """Rows behind one cached prefix decode from its layout, made once per layer and kept while they decode;
+    every token and log-probability is the one the kernel gives when it lays the head out on every call."""
+    loaded, _ = wide_heads_bf16
+    system = words(loaded, "You are a terse assistant who answers in one word. " * 8)
+    prompts = [system + words(loaded, tail) for tail in ("Paris is", "Rome was", "The sea")]
+    monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 8)  # every decode row here is long
+    results, made, kept_heads, steps_with_head = {}, {}, {}, {}
+    for keep in (True, False):
+        engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
+        if not engine.runner.prefill_kernel:
+            engine.stop()
+            pytest.skip("no AVX512-BF16 build (or SDPA timed faster): heads use flash attention")
+        if not keep:
+            engine.runner.head_layouts.limit_bytes = 0  # nothing fits: each call lays its head out
+        layouts, steps = kept_heads.setdefault(keep, set()), steps_with_head.setdefault(keep, [0])
+        prepare = engine.runner._prepare
+
+        def spy(rows, prepare=prepare, layouts=layouts, steps=steps):
+            meta, *rest = prepare(rows)
+            shared = [h for h in (meta.decode.heads if meta.decode else []) if h.rows.numel() > 1]
+            steps[0] += bool(shared)
+            layouts.update(id(h.laid_out) for h in shared if h.laid_out is not None)
+            return (meta, *rest)
+
+        monkeypatch.setattr(engine.runner, "_prepare", spy)
+        try:
+            await run(engine, system, rid="warm", max_tokens=1)  # caches the shared prefix's blocks
+            before = engine.runner.head_layouts.num_made
+            results[keep] = await asyncio.gather(
+                *(run(engine, p, rid=f"r{i}", max_tokens=6, num_logprobs=2) for i, p in enumerate(prompts))
+            )
+            made[keep] = engine.runner.head_layouts.num_made - before
+        finally:
+            engine.stop()
+    layers = loaded.model.config.num_hidden_layers
+    assert steps_with_head[True][0] >= 3  # the head served several steps ...
+    assert len(kept_heads[True]) == 1
+    assert made[True] == layers
+    assert made[False] == 0
+    assert not kept_heads[False]
+    for kept, per_call in zip(results[True], results[False], strict=True):
+        assert kept.token_ids == per_call.token_ids
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in kept.logprobs] == [
+            (lp.token_id, lp.logprob, lp.top) for lp in per_call.logprobs
+        ]

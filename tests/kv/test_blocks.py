@@ -113,6 +113,25 @@ def test_trim_keeps_exactly_the_tokens_asked_for():
     assert blocks[0].token_ids == [1, 2, 3, 4]
 
 
+def test_a_block_gets_a_new_stamp_for_each_new_contents_and_keeps_it_while_shared():
+    """What was read from a block (a kernel layout of its keys) is current while the block keeps its stamp."""
+    manager = BlockManager(4, 2)
+    blocks = fill(manager, "t", [1, 2, 3, 4])
+    first = [b.stamp for b in blocks]
+    assert len(set(first)) == 2
+    manager.pin(manager.match("t", [1, 2, 3, 4, 5], 4).shared)  # a second holder shares them as they are
+    assert [b.stamp for b in blocks] == first
+    manager.release(blocks)
+    manager.release(blocks)
+    manager.trim(blocks[1], 1)  # cut: slot 1 may take other K/V later
+    cut = blocks[1].stamp
+    assert cut not in first
+    assert manager.discard(blocks) == 2  # contents nobody holds: the blocks are free
+    again = fill(manager, "t", [9, 8, 7, 6])  # the same blocks (lowest ids first), other tokens
+    assert [b.block_id for b in again] == [b.block_id for b in blocks]
+    assert not {b.stamp for b in again} & {*first, cut}
+
+
 def test_a_deleted_sessions_block_another_transcript_ends_inside_keeps_only_the_others_part():
     manager, store = BlockManager(16, 4), SessionStore(ttl_s=3600)
     kept, gone = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]

@@ -157,6 +157,52 @@ def test_rows_sharing_keys_attend_to_all_of_them_and_report_the_log_sum(heads, k
     assert (lse.double() - torch.logsumexp(scores, -1)).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block", "rows", "keys"),
+    [(9, 3, 64, 16, 8, 1504), (8, 2, 128, 4, 3, 37), (4, 4, 64, 4, 5, 130)],
+)
+def test_a_head_laid_out_once_answers_as_the_kernel_reading_the_pool(heads, kv_heads, dim, block, rows, keys):
+    """A head's keys and values laid out once (kept across steps by the runner) give the very output and
+    log-sum of the call that lays them out itself, and both match float64 attention."""
+    num_blocks = -(-keys // block) + 3
+    k_pool, v_pool = pool(kv_heads, dim, block, num_blocks, seed=14)
+    (table,) = tables_for([(1, keys)], block, num_blocks, seed=15)
+    blocks = torch.tensor(table, dtype=torch.int32)
+    query = torch.randn(rows, heads, dim, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
+    out, lse = torch.empty_like(query), torch.empty(rows, heads)
+    torch.ops.kvserve.paged_shared_keys(query, k_pool, v_pool, out, lse, blocks, keys, block, dim**-0.5)
+    laid_keys, laid_values = torch.ops.kvserve.paged_keys_layout(k_pool, v_pool, blocks, keys, block)
+    tiles = -(-keys // 16)
+    assert laid_keys.shape == (kv_heads, tiles * 16 * dim // 2)
+    assert laid_values.shape == (kv_heads, tiles * 8 * dim)
+    got, got_lse = torch.full_like(query, 7.0), torch.zeros(rows, heads)
+    torch.ops.kvserve.shared_keys_from_layout(query, laid_keys, laid_values, got, got_lse, keys, dim**-0.5)
+    assert torch.equal(got, out)
+    assert torch.equal(got_lse, lse)
+    slots = torch.tensor([table[p // block] * block + p % block for p in range(keys)])
+    k = k_pool[:, slots].double().repeat_interleave(heads // kv_heads, 0)
+    v = v_pool[:, slots].double().repeat_interleave(heads // kv_heads, 0)
+    scores = torch.einsum("nhd,hkd->nhk", query.double(), k) * dim**-0.5
+    want = torch.einsum("nhk,hkd->nhd", torch.softmax(scores, -1), v)
+    assert (got.double() - want).abs().max().item() < TOLERANCE
+    assert (got_lse.double() - torch.logsumexp(scores, -1)).abs().max().item() < 1e-3
+
+
+def test_a_layout_is_refused_for_keys_it_does_not_hold():
+    k_pool, v_pool = pool(2, 64, 4, 10, seed=1)
+    laid_keys, laid_values = torch.ops.kvserve.paged_keys_layout(
+        k_pool, v_pool, torch.tensor([3, 1, 4, 0, 9], dtype=torch.int32), 17, 4
+    )
+    query = torch.randn(2, 4, 64).to(torch.bfloat16)
+    out, lse = torch.empty_like(query), torch.empty(2, 4)
+    with pytest.raises(RuntimeError, match="does not hold 33 keys"):  # 17 keys fill two tiles of 16, not three
+        torch.ops.kvserve.shared_keys_from_layout(query, laid_keys, laid_values, out, lse, 33, 0.125)
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        torch.ops.kvserve.paged_keys_layout(k_pool, v_pool, torch.tensor([0, 10], dtype=torch.int32), 8, 4)
+    with pytest.raises(RuntimeError, match="do not fit the table"):
+        torch.ops.kvserve.paged_keys_layout(k_pool, v_pool, torch.tensor([0, 1], dtype=torch.int32), 9, 4)
+
+
 def test_shared_keys_refuse_a_table_too_short():
     k_pool, v_pool = pool(2, 64, 4, 10, seed=1)
     query = torch.randn(2, 4, 64).to(torch.bfloat16)

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -209,91 +210,68 @@ void rows_of_group(const uint32_t* kt, const uint32_t* vt, const uint16_t* const
   }
 }
 
+// Tiles t0 .. t1 - 1 of one kv head's context of ctx keys, read through its block table: keys in the
+// AVX512-BF16 pair layout (pair c of 16 keys' rows in one vector: 16 keys across the lanes), values with keys
+// 2jp and 2jp + 1 interleaved (one lane per head dimension). Keys past the context are zeros (always masked).
 template <int D>
-void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
-             const std::vector<SpanLayout>& spans, const int32_t* tables, int64_t max_blocks, int64_t block_size,
-             double scale, bool causal, float* lse_ptr, int64_t lse_row, int64_t lse_head) {
+void lay_out_tiles(uint32_t* kdst, uint32_t* vdst32, const uint32_t* k_head, const uint16_t* v_head,
+                   const int32_t* table, int64_t block_size, int64_t ctx, int64_t t0, int64_t t1) {
   constexpr int DP = D / 2;
-  constexpr int R = D == 64 ? 4 : 2;  // rows walked together: their 16 accumulators stay in registers
-  const int64_t num_heads = query.size(1), num_kv_heads = k_pool.size(0), pool_slots = k_pool.size(1);
-  const int64_t groups = num_heads / num_kv_heads;
-  int64_t kt_total = 0, vf_total = 0;
-  for (const auto& s : spans) {
-    kt_total = std::max(kt_total, s.kt_offset + (s.h1 - s.h0) * s.tiles * kTile * DP);
-    vf_total = std::max(vf_total, s.vf_offset + (s.h1 - s.h0) * s.tiles * (kTile / 2) * D);
+  uint16_t* vdst = reinterpret_cast<uint16_t*>(vdst32);
+  alignas(64) static const uint16_t zeros[D] = {};
+  // bf16 pairs (a[i], b[i]): lanes 2i and 2i + 1 of the output take a's and b's element i
+  alignas(64) uint16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 32; ++i) {
+    lo_idx[i] = static_cast<uint16_t>((i % 2 ? 32 : 0) + i / 2);
+    hi_idx[i] = static_cast<uint16_t>((i % 2 ? 32 : 0) + 16 + i / 2);
   }
-  // Scratch of the calling thread, grown when a step needs more (every element is written before it is read).
-  static thread_local std::vector<uint32_t> kt_buffer;
-  static thread_local std::vector<uint32_t> vf_buffer;
-  if (static_cast<int64_t>(kt_buffer.size()) < kt_total) kt_buffer.resize(kt_total);
-  if (static_cast<int64_t>(vf_buffer.size()) < vf_total) vf_buffer.resize(vf_total);
-  uint32_t* const kt = kt_buffer.data();
-  uint32_t* const vf = vf_buffer.data();
-  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>());
-  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
-  const int64_t num_spans = static_cast<int64_t>(spans.size());
-  std::vector<int64_t> first_pair(num_spans + 1, 0);  // phase 1 items: (span, kv head) pairs
-  for (int64_t si = 0; si < num_spans; ++si) first_pair[si + 1] = first_pair[si] + spans[si].h1 - spans[si].h0;
-
-  at::parallel_for(0, first_pair[num_spans], 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t si = std::upper_bound(first_pair.begin(), first_pair.end(), item) - first_pair.begin() - 1;
-      const SpanLayout& s = spans[si];
-      const int64_t h = s.h0 + item - first_pair[si];
-      uint32_t* kdst = kt + s.kt_offset + (h - s.h0) * s.tiles * kTile * DP;
-      uint16_t* vdst = reinterpret_cast<uint16_t*>(vf + s.vf_offset + (h - s.h0) * s.tiles * (kTile / 2) * D);
-      const int32_t* table = tables + s.table_row * max_blocks;
-      const uint32_t* k_head = k32 + h * pool_slots * DP;
-      const uint16_t* v_head = v16 + h * pool_slots * D;
-      alignas(64) static const uint16_t zeros[D] = {};
-      // bf16 pairs (a[i], b[i]): lanes 2i and 2i + 1 of the output take a's and b's element i
-      alignas(64) uint16_t lo_idx[32], hi_idx[32];
-      for (int i = 0; i < 32; ++i) {
-        lo_idx[i] = static_cast<uint16_t>((i % 2 ? 32 : 0) + i / 2);
-        hi_idx[i] = static_cast<uint16_t>((i % 2 ? 32 : 0) + 16 + i / 2);
-      }
-      const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
-      for (int64_t t = 0; t < s.tiles; ++t) {
-        alignas(64) int32_t offsets[kTile];
-        const uint16_t* rows[kTile];
-        __mmask16 valid = 0;
-        for (int l = 0; l < kTile; ++l) {
-          const int64_t key = t * kTile + l;
-          if (key < s.ctx) {
-            const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
-            offsets[l] = static_cast<int32_t>(slot * DP);
-            rows[l] = v_head + slot * D;
-            valid = static_cast<__mmask16>(valid | (1u << l));
-          } else {  // padding of the last tile: zeros (always masked)
-            offsets[l] = 0;
-            rows[l] = zeros;
-          }
-        }
-        // keys: pair c of the 16 keys' rows, gathered into one vector (16 keys across the lanes)
-        uint32_t* kt_tile = kdst + t * DP * kTile;
-        const __m512i at = _mm512_load_si512(offsets);
-        for (int c = 0; c < DP; ++c) {
-          const __m512i idx = _mm512_add_epi32(at, _mm512_set1_epi32(c));
-          const __m512i keys = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, k_head, 4);
-          _mm512_storeu_si512(kt_tile + c * kTile, keys);
-        }
-        // values: keys 2jp and 2jp + 1 interleaved, 32 head dimensions per pair of vectors
-        uint16_t* vt_tile = vdst + 2 * t * (kTile / 2) * D;
-        for (int jp = 0; jp < kTile / 2; ++jp) {
-          const uint16_t* a = rows[2 * jp];
-          const uint16_t* b = rows[2 * jp + 1];
-          for (int d = 0; d < D; d += 32) {
-            const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
-            uint16_t* dst = vt_tile + 2 * (jp * D + d);
-            _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, lo, vb));
-            _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(va, hi, vb));
-          }
-        }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  for (int64_t t = t0; t < t1; ++t) {
+    alignas(64) int32_t offsets[kTile];
+    const uint16_t* rows[kTile];
+    __mmask16 valid = 0;
+    for (int l = 0; l < kTile; ++l) {
+      const int64_t key = t * kTile + l;
+      if (key < ctx) {
+        const int64_t slot = static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+        offsets[l] = static_cast<int32_t>(slot * DP);
+        rows[l] = v_head + slot * D;
+        valid = static_cast<__mmask16>(valid | (1u << l));
+      } else {
+        offsets[l] = 0;
+        rows[l] = zeros;
       }
     }
-  });
+    uint32_t* kt_tile = kdst + t * DP * kTile;
+    const __m512i at = _mm512_load_si512(offsets);
+    for (int c = 0; c < DP; ++c) {
+      const __m512i idx = _mm512_add_epi32(at, _mm512_set1_epi32(c));
+      const __m512i keys = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, k_head, 4);
+      _mm512_storeu_si512(kt_tile + c * kTile, keys);
+    }
+    uint16_t* vt_tile = vdst + 2 * t * (kTile / 2) * D;
+    for (int jp = 0; jp < kTile / 2; ++jp) {
+      const uint16_t* a = rows[2 * jp];
+      const uint16_t* b = rows[2 * jp + 1];
+      for (int d = 0; d < D; d += 32) {
+        const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
+        uint16_t* dst = vt_tile + 2 * (jp * D + d);
+        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, lo, vb));
+        _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(va, hi, vb));
+      }
+    }
+  }
+}
 
-  // Phase 2 items: (span, kv head, group head, group of R tokens); a span's groups are numbered from its base.
+// Phase 2: every span's rows against its laid-out keys and values (kt, vf as lay_out_tiles writes them, at the
+// spans' offsets). Items: (span, kv head, group head, group of R tokens); a span's groups are numbered from its base.
+template <int D>
+void attend_laid_out(const at::Tensor& query, at::Tensor& out, const std::vector<SpanLayout>& spans,
+                     const uint32_t* kt, const uint32_t* vf, int64_t groups, double scale, bool causal,
+                     float* lse_ptr, int64_t lse_row, int64_t lse_head) {
+  constexpr int DP = D / 2;
+  constexpr int R = D == 64 ? 4 : 2;  // rows walked together: their 16 accumulators stay in registers
+  const int64_t num_spans = static_cast<int64_t>(spans.size());
   std::vector<int64_t> first_item(num_spans + 1, 0);
   for (int64_t si = 0; si < num_spans; ++si) {
     first_item[si + 1] = first_item[si] + (spans[si].h1 - spans[si].h0) * groups * ((spans[si].q_len + R - 1) / R);
@@ -327,6 +305,45 @@ void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor
       rows_of_group<D, R>(kh, vh, q, pos, rows, static_cast<float>(scale), dst, lse_ptr != nullptr ? lse : nullptr);
     }
   });
+}
+
+template <int D>
+void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
+             const std::vector<SpanLayout>& spans, const int32_t* tables, int64_t max_blocks, int64_t block_size,
+             double scale, bool causal, float* lse_ptr, int64_t lse_row, int64_t lse_head) {
+  constexpr int DP = D / 2;
+  const int64_t num_heads = query.size(1), num_kv_heads = k_pool.size(0), pool_slots = k_pool.size(1);
+  const int64_t groups = num_heads / num_kv_heads;
+  int64_t kt_total = 0, vf_total = 0;
+  for (const auto& s : spans) {
+    kt_total = std::max(kt_total, s.kt_offset + (s.h1 - s.h0) * s.tiles * kTile * DP);
+    vf_total = std::max(vf_total, s.vf_offset + (s.h1 - s.h0) * s.tiles * (kTile / 2) * D);
+  }
+  // Scratch of the calling thread, grown when a step needs more (every element is written before it is read).
+  static thread_local std::vector<uint32_t> kt_buffer;
+  static thread_local std::vector<uint32_t> vf_buffer;
+  if (static_cast<int64_t>(kt_buffer.size()) < kt_total) kt_buffer.resize(kt_total);
+  if (static_cast<int64_t>(vf_buffer.size()) < vf_total) vf_buffer.resize(vf_total);
+  uint32_t* const kt = kt_buffer.data();
+  uint32_t* const vf = vf_buffer.data();
+  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>());
+  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
+  const int64_t num_spans = static_cast<int64_t>(spans.size());
+  std::vector<int64_t> first_pair(num_spans + 1, 0);  // phase 1 items: (span, kv head) pairs
+  for (int64_t si = 0; si < num_spans; ++si) first_pair[si + 1] = first_pair[si] + spans[si].h1 - spans[si].h0;
+
+  at::parallel_for(0, first_pair[num_spans], 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t si = std::upper_bound(first_pair.begin(), first_pair.end(), item) - first_pair.begin() - 1;
+      const SpanLayout& s = spans[si];
+      const int64_t h = s.h0 + item - first_pair[si];
+      lay_out_tiles<D>(kt + s.kt_offset + (h - s.h0) * s.tiles * kTile * DP,
+                       vf + s.vf_offset + (h - s.h0) * s.tiles * (kTile / 2) * D, k32 + h * pool_slots * DP,
+                       v16 + h * pool_slots * D, tables + s.table_row * max_blocks, block_size, s.ctx, 0, s.tiles);
+    }
+  });
+
+  attend_laid_out<D>(query, out, spans, kt, vf, groups, scale, causal, lse_ptr, lse_row, lse_head);
 }
 #else
 constexpr bool kAvailable = false;
@@ -458,6 +475,89 @@ void paged_shared_keys(const at::Tensor& query, const at::Tensor& k_pool, const 
 #endif
 }
 
+
+// A head's keys and values laid out once, for steps to reuse while its blocks hold the same contents (the keys
+// of a cached system prompt that several conversations decode behind): keys [kvH, tiles * 16 * D / 2] and
+// values [kvH, tiles * 8 * D], int32 words of bf16 pairs, as the kernel reads them.
+std::tuple<at::Tensor, at::Tensor> paged_keys_layout(const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                                     const at::Tensor& block_table, int64_t num_keys,
+                                                     int64_t block_size) {
+  TORCH_CHECK(k_pool.dim() == 3 && paged_prefill_available(k_pool.size(2)),
+              "paged_keys_layout: needs AVX512-BF16, a pool [kvH, S, D] and a head size of 64 or 128");
+  TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16 &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes(),
+              "paged_keys_layout: the pool is contiguous bf16");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 1,
+              "paged_keys_layout: the block table is contiguous int32");
+  TORCH_CHECK(num_keys >= 1 && num_keys <= block_table.size(0) * block_size, "paged_keys_layout: ", num_keys,
+              " keys do not fit the table");
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t num_blocks = k_pool.size(1) / block_size;
+  for (int64_t blk = 0; blk * block_size < num_keys; ++blk) {
+    TORCH_CHECK(table[blk] >= 0 && table[blk] < num_blocks, "paged_keys_layout: block ", table[blk],
+                " is not in the pool");
+  }
+  const int64_t kv_heads = k_pool.size(0), dim = k_pool.size(2), slots = k_pool.size(1);
+  const int64_t tiles = (num_keys + kTile - 1) / kTile;
+  at::Tensor keys = at::empty({kv_heads, tiles * kTile * dim / 2}, k_pool.options().dtype(at::kInt));
+  at::Tensor values = at::empty({kv_heads, tiles * (kTile / 2) * dim}, k_pool.options().dtype(at::kInt));
+#if defined(__AVX512BF16__)
+  constexpr int64_t kChunk = 8;  // tiles an item lays out: the kv heads alone are too few to share out evenly
+  const int64_t chunks = (tiles + kChunk - 1) / kChunk;
+  uint32_t* kt = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
+  uint32_t* vt = reinterpret_cast<uint32_t*>(values.data_ptr<int32_t>());
+  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>());
+  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
+  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / chunks, t0 = item % chunks * kChunk, t1 = std::min(tiles, t0 + kChunk);
+      if (dim == 64) {
+        lay_out_tiles<64>(kt + h * keys.size(1), vt + h * values.size(1), k32 + h * slots * 32, v16 + h * slots * 64,
+                          table, block_size, num_keys, t0, t1);
+      } else {
+        lay_out_tiles<128>(kt + h * keys.size(1), vt + h * values.size(1), k32 + h * slots * 64,
+                           v16 + h * slots * 128, table, block_size, num_keys, t0, t1);
+      }
+    }
+  });
+#endif
+  return {keys, values};
+}
+
+// paged_shared_keys on a head laid out by paged_keys_layout: every row of query attends to all num_keys keys.
+void shared_keys_from_layout(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                             at::Tensor& out, at::Tensor& lse, int64_t num_keys, double scale) {
+  TORCH_CHECK(query.dim() == 3 && paged_prefill_available(query.size(2)),
+              "shared_keys_from_layout: needs AVX512-BF16 and queries [n, H, D] with a head size of 64 or 128");
+  const int64_t n = query.size(0), heads = query.size(1), dim = query.size(2);
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && out.sizes() == query.sizes() &&
+                  query.stride(2) == 1 && out.stride(2) == 1,
+              "shared_keys_from_layout: query and out are bf16 [n, H, D], D contiguous");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == n && lse.size(1) == heads,
+              "shared_keys_from_layout: lse is [n, H] float32");
+  const int64_t tiles = (num_keys + kTile - 1) / kTile;
+  TORCH_CHECK(n >= 1 && num_keys >= 1, "shared_keys_from_layout: no rows or no keys");
+  TORCH_CHECK(keys.scalar_type() == at::kInt && values.scalar_type() == at::kInt && keys.is_contiguous() &&
+                  values.is_contiguous() && keys.dim() == 2 && values.dim() == 2 && keys.size(0) == values.size(0) &&
+                  keys.size(0) >= 1 && heads % keys.size(0) == 0,
+              "shared_keys_from_layout: keys and values are a layout of [kvH, ...] int32, heads a multiple of kvH");
+  TORCH_CHECK(keys.size(1) == tiles * kTile * dim / 2 && values.size(1) == tiles * (kTile / 2) * dim,
+              "shared_keys_from_layout: the layout does not hold ", num_keys, " keys of head size ", dim);
+#if defined(__AVX512BF16__)
+  const int64_t kv_heads = keys.size(0);
+  std::vector<SpanLayout> spans{SpanLayout{0, n, num_keys, tiles, 0, 0, 0, 0, kv_heads}};
+  const uint32_t* kt = reinterpret_cast<const uint32_t*>(keys.data_ptr<int32_t>());
+  const uint32_t* vt = reinterpret_cast<const uint32_t*>(values.data_ptr<int32_t>());
+  if (dim == 64) {
+    attend_laid_out<64>(query, out, spans, kt, vt, heads / kv_heads, scale, false, lse.data_ptr<float>(),
+                        lse.stride(0), lse.stride(1));
+  } else {
+    attend_laid_out<128>(query, out, spans, kt, vt, heads / kv_heads, scale, false, lse.data_ptr<float>(),
+                         lse.stride(0), lse.stride(1));
+  }
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
@@ -467,6 +567,11 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "paged_prefill(Tensor query, Tensor k_pool, Tensor v_pool, Tensor(a!) out, Tensor q_starts, Tensor q_lens, "
       "Tensor context_lens, Tensor block_tables, int block_size, float scale) -> ()");
+  m.def("paged_keys_layout(Tensor k_pool, Tensor v_pool, Tensor block_table, int num_keys, int block_size) -> "
+        "(Tensor, Tensor)");
+  m.def(
+      "shared_keys_from_layout(Tensor query, Tensor keys, Tensor values, Tensor(a!) out, Tensor(b!) lse, "
+      "int num_keys, float scale) -> ()");
   m.def("paged_prefill_available(int head_dim) -> bool", &paged_prefill_available);
   m.def("paged_prefill_scratch_limit(int bytes) -> int", &paged_prefill_scratch_limit);
   m.def("paged_prefill_passes() -> int", &paged_prefill_passes);
@@ -475,4 +580,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_prefill", &paged_prefill);
   m.impl("paged_shared_keys", &paged_shared_keys);
+  m.impl("paged_keys_layout", &paged_keys_layout);
+  m.impl("shared_keys_from_layout", &shared_keys_from_layout);
 }
