@@ -26,8 +26,11 @@ import torch
 
 log = logging.getLogger("kvserve.kernels")
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "paged_prefill.cpp")]
-# -ffast-math lets exp() vectorize (glibc's libmvec); the kernel never relies on inf or NaN
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+# -ffast-math lets exp() vectorize (glibc's libmvec); the kernel never relies on inf or NaN. -fopenmp: at::parallel_for
+# is a header template that runs its range on torch's OpenMP team only where the including code is built with
+# OpenMP; without it every kernel ran on one thread. It links libgomp.so.1, the one torch has loaded already.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+LDFLAGS = ("-fopenmp",)  # tuples: torch's loader appends to the lists it is given
 _lock = threading.Lock()
 _state: dict[str, bool | str] = {}
 
@@ -39,6 +42,7 @@ def build_name() -> str:
     for source in SOURCES:
         digest.update(source.read_bytes())
         digest.update(str(source.resolve()).encode())
+    digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())
     digest.update(_cpu_flags().encode())
@@ -78,7 +82,8 @@ def _load() -> bool:
             cpp_extension.load(
                 name=name,
                 sources=[str(source) for source in SOURCES],
-                extra_cflags=CFLAGS,
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
                 is_python_module=False,
                 verbose=False,
             )

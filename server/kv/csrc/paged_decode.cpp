@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #if defined(__AVX512BF16__)
@@ -305,6 +306,16 @@ void paged_decode(const at::Tensor& query, const at::Tensor& k_pool, const at::T
   });
 }
 
+// How many threads at::parallel_for shares a range of n items among here. It is a header template: built
+// without OpenMP it runs the whole range on the calling thread, and so would every kernel (tests check).
+int64_t parallel_threads(int64_t n) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << std::min<int64_t>(at::get_thread_num(), 63));
+  });
+  return __builtin_popcountll(seen.load());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
@@ -312,6 +323,7 @@ TORCH_LIBRARY(kvserve, m) {
       "paged_decode(Tensor query, Tensor k_pool, Tensor v_pool, Tensor(a!) out, Tensor rows, Tensor block_tables, "
       "Tensor context_lens, Tensor first_keys, Tensor head_out, Tensor head_lse, int block_size, int window, "
       "float scale, float softcap) -> ()");
+  m.def("parallel_threads(int n) -> int", &parallel_threads);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
