@@ -46,7 +46,7 @@ def load(where: str, variant: str):
     dtype = torch.float32 if variant == "fp32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).eval()
     if variant == "bf16-packed":
-        pack_linears(model)
+        pack_linears(model, dtype)
     install(model)
     return model, dtype
 

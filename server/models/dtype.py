@@ -3,7 +3,7 @@
 CUDA: bfloat16 where the GPU supports it, else float16. CPU: bfloat16 only where the CPU has
 bf16 instructions (AMX-BF16 or AVX512-BF16) *and* a turn's matrix products measure faster in
 it than in float32 on this machine; a CPU without them emulates bf16 and is slower. The turn
-measured is the model's own linear shapes (every layer plus the LM head, bf16 ones packed as
+measured is the model's own linear shapes (every layer plus the LM head, packed as
 served) over one 256-token prefill chunk and 32 single-token decode steps. The choice and its reason are logged and
 shown in GET /v1/models/{id}.
 """
@@ -183,10 +183,10 @@ def turn_ms(config: Any, dtype: torch.dtype, repeats: int = 5) -> float:
 
 
 def _layer(weight: torch.Tensor) -> nn.Module:
-    """A linear layer as the server would run it: bf16 ones packed for oneDNN (server/models/packed_linear.py)."""
+    """A linear layer as the server would run it: packed for oneDNN (server/models/packed_linear.py)."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
     linear.weight.data = weight
-    return PackedLinear(linear) if weight.dtype == torch.bfloat16 else linear
+    return PackedLinear(linear) if weight.dtype in (torch.bfloat16, torch.float32) else linear
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:

@@ -1,4 +1,5 @@
-"""Packed bf16 linears answer as the plain ones do (same oneDNN products, another weight layout)."""
+"""Packed linears answer as the plain ones do: bf16 the same oneDNN products with another weight layout, fp32
+oneDNN's products where the plain layer calls sgemm (equal to rounding, the same greedy ids)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,17 @@ from server.models.packed_linear import PackedLinear, can_pack, pack_linears
 from tests.helpers import make_engine, reference_greedy, run
 from tests.tiny import build_model
 
-pytestmark = pytest.mark.skipif(
+needs_bf16 = pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bf16 kernels"
 )
 
 
+@needs_bf16
 def test_a_packed_model_gives_the_plain_models_logits():
     plain = build_model(vocab_size=300, eos_id=1).to(torch.bfloat16)
     packed = copy.deepcopy(plain)
     assert can_pack(packed, torch.device("cpu"), torch.bfloat16)
-    assert pack_linears(packed) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+    assert pack_linears(packed, torch.bfloat16) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
     assert isinstance(packed.lm_head, PackedLinear)
     ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
     with torch.inference_mode():
@@ -38,12 +40,46 @@ def test_a_packed_model_gives_the_plain_models_logits():
             assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
-def test_only_bf16_on_the_cpu_is_packed():
+def test_bf16_and_fp32_on_the_cpu_are_packed():
     model = build_model(vocab_size=300, eos_id=1)
-    assert not can_pack(model, torch.device("cpu"), torch.float32)
+    assert can_pack(model, torch.device("cpu"), torch.float32)
+    assert not can_pack(model, torch.device("cpu"), torch.float64)
     assert not can_pack(model, torch.device("cuda"), torch.bfloat16)
+    assert not can_pack(model, torch.device("cuda"), torch.float32)
 
 
+def test_a_packed_fp32_model_gives_the_plain_models_logits_to_rounding():
+    plain = build_model(vocab_size=300, eos_id=1).to(torch.float32)
+    packed = copy.deepcopy(plain)
+    assert pack_linears(packed, torch.float32) == 2 * 7 + 1
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+    with torch.inference_mode():
+        for rows in (ids[:, :1], ids):
+            expected = plain(input_ids=rows).logits
+            got = packed(input_ids=rows).logits
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (got - expected).abs().max()
+            assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+async def test_an_fp32_engine_with_packed_weights_answers_as_generate_on_the_plain_model(tiny_spec):
+    """The engine's greedy ids equal transformers' generate() on the unpacked fp32 model."""
+    loaded = load_model(dataclasses.replace(tiny_spec, dtype="float32"), Path("unused"))
+    assert isinstance(loaded.model.lm_head, PackedLinear)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_spec.source, dtype=torch.float32)
+    engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4)
+    texts = ("The quick brown fox", "Paris is the capital", "Sessions keep their cache between turns.")
+    prompts = [loaded.tokenizer(text)["input_ids"] for text in texts]
+    try:
+        got = await asyncio.gather(
+            *(run(engine, p, rid=f"r{i}", max_tokens=16, ignore_eos=True) for i, p in enumerate(prompts))
+        )
+    finally:
+        engine.stop()
+    for prompt, result in zip(prompts, got, strict=True):
+        assert result.token_ids == reference_greedy(plain, prompt, 16)
+
+
+@needs_bf16
 def test_the_weights_digest_is_of_the_stored_weights_or_taken_before_packing(tiny_spec, monkeypatch):
     packed = load_model(dataclasses.replace(tiny_spec, dtype="bfloat16"), Path("unused"))
     assert isinstance(packed.model.lm_head, PackedLinear)  # its weight is a packed buffer now, not a parameter
@@ -59,6 +95,7 @@ def test_the_weights_digest_is_of_the_stored_weights_or_taken_before_packing(tin
     assert from_parameters.digests.weights == state_dict_digest(reference)  # a fine-tune of any linear changes it
 
 
+@needs_bf16
 async def test_a_bf16_engine_with_packed_weights_and_the_kernel_answers_as_generate(tiny_spec):
     loaded = load_model(dataclasses.replace(tiny_spec, dtype="bfloat16"), Path("unused"))
     engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4)
