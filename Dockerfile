@@ -19,10 +19,15 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH
 
-# The distribution's own python3, whatever its version (Debian 12: 3.11, Ubuntu 24.04: 3.12).
+ARG BASE
+# The distribution's own python3, whatever its version (Debian 12: 3.11, Ubuntu 24.04: 3.12). The CPU image
+# also gets a C++ compiler: the paged attention kernels (server/kv/csrc) are built for the serving machine's
+# own CPU at first start (-march=native, about 10 s, kept in the cache volume); without one they are not
+# built and attention takes the portable SDPA path, several times slower on a CPU (docs/benchmarks.md).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && if [ "${BASE}" = "cpu" ]; then apt-get install -y --no-install-recommends g++ python3-dev; fi \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 
@@ -48,6 +53,7 @@ ENV KVSERVE_HOST=0.0.0.0 \
     KVSERVE_MODELS_FILE=/app/models/models.toml \
     KVSERVE_CACHE_DIR=/var/lib/kvserve/cache \
     KVSERVE_STATE_DIR=/var/lib/kvserve/state \
+    TORCH_EXTENSIONS_DIR=/var/lib/kvserve/cache/torch_extensions \
     HF_HUB_OFFLINE=1
 VOLUME ["/app/models", "/var/lib/kvserve"]
 EXPOSE 8000
