@@ -151,6 +151,7 @@ class EngineLoop:
         rows = self.scheduler.schedule()
         admitted = tuple(a.seq.request.request_id for a in admissions)
         if not rows:
+            self.runner.rest()
             if admitted:  # only loads started: the step still tells who was admitted in it
                 self.step_log.append(StepRecord([], [], admitted))
             return

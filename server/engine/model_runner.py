@@ -115,6 +115,10 @@ class ModelRunner:
         logits: torch.Tensor = out.logits[0]
         return logits
 
+    def rest(self) -> None:
+        """No rows this step (the engine waits for work): the heads' kept layouts are not needed, their memory goes."""
+        self.head_layouts.for_step([])
+
     def _prepare(self, rows: list[Row]) -> tuple[StepMeta, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed ids and positions, the slot mapping and one span per row (blocks are allocated)."""
         device = self.device

@@ -3,14 +3,19 @@
 A head is the keys several decode rows share (a cached system prompt behind many conversations).
 `kvserve::paged_shared_keys` lays them out for the kernel (16 keys across the lanes, values in key
 pairs) on every call: each layer, each step, for keys that do not change while the rows decode. On a
-2-core EPYC (default model, 1,366 shared keys, 8 rows) that call took 204 us per layer; attending from
-a kept layout took 115 us, and laying it out once 76 us.
+2-core EPYC (default model, 1,366 shared keys, 8 rows, both threads) that call takes 121 us per layer;
+attending from a kept layout 71 us, and laying it out once 32 us.
 
 A kept layout is valid while its blocks hold what it was read from. Its key is the blocks' stamps
 (server/kv/blocks.py: a block gets a new stamp each time it is handed out for new contents or cut), so
-a block that now holds other tokens never matches. A step keeps the layouts of its own heads and drops
-the rest. Those it keeps fit a byte limit (a quarter of the pool, at most 256 MiB). A head beyond the
-limit is laid out per call, as before.
+a block that now holds other tokens never matches. Within one stamp a head's blocks do not change:
+a head takes only blocks that are full before every row's own token, the engine writes K/V only at
+or past a sequence's computed tokens, and copies and restores go into blocks just handed out. A path
+that rewrote a full block in place would have to give it a new stamp.
+
+A step keeps the layouts of its own heads and drops the rest (a step with no rows drops them all).
+Those it keeps fit a byte limit (a quarter of the pool, at most 256 MiB). A head beyond the limit is
+laid out per call, as before.
 """
 
 from __future__ import annotations
@@ -23,14 +28,22 @@ MAX_BYTES = 256 << 20
 _TILE = 16  # keys per tile of the layout: a head's keys are padded to a multiple
 
 
+class _Tally:
+    __slots__ = ("made",)
+
+    def __init__(self) -> None:
+        self.made = 0
+
+
 class HeadLayout:
     """One head's layouts, one per layer, each made by the first call that needs it."""
 
-    __slots__ = ("_layers", "_owner")
+    __slots__ = ("_block_size", "_layers", "_tally")
 
-    def __init__(self, owner: HeadLayouts) -> None:
-        self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * owner.layout.num_layers
-        self._owner = owner
+    def __init__(self, num_layers: int, block_size: int, tally: _Tally) -> None:
+        self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self._block_size = block_size
+        self._tally = tally  # the owner's count (not the owner: no cycle keeps a dropped layout alive)
 
     def of_layer(
         self, layer: int, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, num_keys: int
@@ -38,9 +51,9 @@ class HeadLayout:
         """The layer's keys and values laid out (made now if this is the first call for the layer)."""
         made = self._layers[layer]
         if made is None:
-            made = torch.ops.kvserve.paged_keys_layout(k_pool, v_pool, blocks, num_keys, self._owner.block_size)
+            made = torch.ops.kvserve.paged_keys_layout(k_pool, v_pool, blocks, num_keys, self._block_size)
             self._layers[layer] = made
-            self._owner.num_made += 1
+            self._tally.made += 1
         return made
 
 
@@ -51,7 +64,7 @@ class HeadLayouts:
         self.layout = layout
         self.block_size = block_size
         self.limit_bytes = limit_bytes
-        self.num_made = 0  # layer layouts made since start (tests count them)
+        self._tally = _Tally()
         self._kept: dict[tuple[int, ...], HeadLayout] = {}
 
     @classmethod
@@ -72,10 +85,16 @@ class HeadLayouts:
         for key in sorted(dict.fromkeys(stamps), key=lambda k: k not in self._kept):  # the kept ones first: they stay
             size = self.nbytes(len(key))
             if used + size <= self.limit_bytes:
-                kept[key] = self._kept.get(key) or HeadLayout(self)
+                made = self._kept.get(key)
+                kept[key] = made or HeadLayout(self.layout.num_layers, self.block_size, self._tally)
                 used += size
         self._kept = kept
         return [kept.get(key) for key in stamps]
+
+    @property
+    def num_made(self) -> int:
+        """Layer layouts made since start (tests count them)."""
+        return self._tally.made
 
     @property
     def num_kept(self) -> int:

@@ -13,7 +13,7 @@ from server.engine import model_runner
 from server.kv import kernels
 from server.kv.blocks import Block
 from server.models.loader import ModelSpec, load_model
-from tests.helpers import make_engine, reference_greedy, run
+from tests.helpers import make_engine, reference_greedy, run, wait_until_async
 
 
 @pytest.fixture(scope="module")
@@ -423,6 +423,9 @@ async def test_a_head_kept_laid_out_across_steps_answers_exactly_as_one_laid_out
                 *(run(engine, p, rid=f"r{i}", max_tokens=6, num_logprobs=2) for i, p in enumerate(prompts))
             )
             made[keep] = engine.runner.head_layouts.num_made - before
+            # once the engine has nothing to run, the kept layouts' memory goes (at its next tick at the latest)
+            layouts_of = engine.runner.head_layouts
+            await wait_until_async(lambda kept=layouts_of: kept.num_kept == 0, what="the layouts dropped")
         finally:
             engine.stop()
     layers = loaded.model.config.num_hidden_layers
