@@ -175,7 +175,7 @@ class ModelRunner:
         groups: dict[int, list[DecodeRow]] = {}
         for row in rows:
             groups.setdefault(row.table[0], []).append(row)
-        found: list[tuple[list[DecodeRow], int, list[int]]] = []  # (rows, blocks, table)
+        found: list[tuple[list[DecodeRow], int, list[int]]] = []  # (rows, head length in blocks, table)
         for group in groups.values():
             limit = min((r.ctx_len - 1) // bs for r in group)  # whole blocks before every row's own token
             common = _common_prefix([r.table[:limit] for r in group])
@@ -196,8 +196,9 @@ class ModelRunner:
         # read in place by the kernel, once for the rows sharing it, from a layout kept across steps where one fits
         # (a lone row's head: flash, cheaper for one row)
         by_kernel = [self.prefill_kernel and len(keep) > 1 for keep, _, _ in found]
-        kernel_heads = [(keep[0].blocks, length) for (keep, length, _), k in zip(found, by_kernel, strict=True) if k]
-        stamps = [tuple(b.stamp for b in blocks[:length]) for blocks, length in kernel_heads]
+        stamps = [
+            tuple(b.stamp for b in keep[0].blocks[:n]) for (keep, n, _), k in zip(found, by_kernel, strict=True) if k
+        ]
         laid_out = iter(self.head_layouts.for_step(stamps))
         heads: list[SharedHead] = []
         taken: list[DecodeRow] = []

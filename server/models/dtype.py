@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from server.kv.kernels import cpuinfo_field
-from server.models.packed_linear import PackedLinear
+from server.models.packed_linear import PackedLinear, can_pack
 
 log = logging.getLogger("kvserve.registry")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -186,7 +186,7 @@ def _layer(weight: torch.Tensor) -> nn.Module:
     """A linear layer as the server would run it: packed for oneDNN (server/models/packed_linear.py)."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
     linear.weight.data = weight
-    return PackedLinear(linear) if weight.dtype in (torch.bfloat16, torch.float32) else linear
+    return PackedLinear(linear) if can_pack(linear, weight.device, weight.dtype) else linear
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:

@@ -436,6 +436,21 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::
 #endif
 }
 
+// A head's block table, checked before a kernel follows it: contiguous int32, long enough for num_keys keys, and
+// every block it reads for them inside the pool.
+void check_head_table(const char* op, const at::Tensor& block_table, int64_t num_keys, int64_t block_size,
+                      int64_t pool_slots) {
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 1, op,
+              ": the block table is contiguous int32");
+  TORCH_CHECK(num_keys >= 1 && num_keys <= block_table.size(0) * block_size, op, ": ", num_keys,
+              " keys do not fit the table");
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t num_blocks = pool_slots / block_size;
+  for (int64_t blk = 0; blk * block_size < num_keys; ++blk) {
+    TORCH_CHECK(table[blk] >= 0 && table[blk] < num_blocks, op, ": block ", table[blk], " is not in the pool");
+  }
+}
+
 // Rows that all see the same keys (a head of cascade attention: keys several decode rows share): every row of
 // query attends to keys 0 .. num_keys - 1 read through block_table, no mask; out gets the attention, lse the log
 // of each row and head's softmax sum (for the decode kernel to resume from).
@@ -456,20 +471,12 @@ void paged_shared_keys(const at::Tensor& query, const at::Tensor& k_pool, const 
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == query.size(0) &&
                   lse.size(1) == query.size(1),
               "paged_shared_keys: lse is [n, H] float32");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 1,
-              "paged_shared_keys: the block table is contiguous int32");
-  TORCH_CHECK(num_keys >= 1 && num_keys <= block_table.size(0) * block_size, "paged_shared_keys: ", num_keys,
-              " keys do not fit the table");
   TORCH_CHECK(query.size(0) >= 1, "paged_shared_keys: no rows");
+  check_head_table("paged_shared_keys", block_table, num_keys, block_size, k_pool.size(1));
 #if defined(__AVX512BF16__)
   const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t num_blocks = k_pool.size(1) / block_size, dim = query.size(2);
-  for (int64_t blk = 0; blk * block_size < num_keys; ++blk) {
-    TORCH_CHECK(table[blk] >= 0 && table[blk] < num_blocks, "paged_shared_keys: block ", table[blk], " is not in the pool");
-  }
   const int64_t tiles = (num_keys + kTile - 1) / kTile;
   std::vector<SpanLayout> spans{SpanLayout{0, query.size(0), num_keys, tiles, 0, 0, 0, 0, k_pool.size(0)}};
-  (void)dim;
   run_in_passes(query, k_pool, v_pool, out, spans, table, block_table.size(0), block_size, scale, false,
                 lse.data_ptr<float>(), lse.stride(0), lse.stride(1));
 #endif
@@ -487,16 +494,8 @@ std::tuple<at::Tensor, at::Tensor> paged_keys_layout(const at::Tensor& k_pool, c
   TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16 &&
                   k_pool.is_contiguous() && v_pool.is_contiguous() && v_pool.sizes() == k_pool.sizes(),
               "paged_keys_layout: the pool is contiguous bf16");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 1,
-              "paged_keys_layout: the block table is contiguous int32");
-  TORCH_CHECK(num_keys >= 1 && num_keys <= block_table.size(0) * block_size, "paged_keys_layout: ", num_keys,
-              " keys do not fit the table");
+  check_head_table("paged_keys_layout", block_table, num_keys, block_size, k_pool.size(1));
   const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t num_blocks = k_pool.size(1) / block_size;
-  for (int64_t blk = 0; blk * block_size < num_keys; ++blk) {
-    TORCH_CHECK(table[blk] >= 0 && table[blk] < num_blocks, "paged_keys_layout: block ", table[blk],
-                " is not in the pool");
-  }
   const int64_t kv_heads = k_pool.size(0), dim = k_pool.size(2), slots = k_pool.size(1);
   const int64_t tiles = (num_keys + kTile - 1) / kTile;
   at::Tensor keys = at::empty({kv_heads, tiles * kTile * dim / 2}, k_pool.options().dtype(at::kInt));
