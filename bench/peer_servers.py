@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 from common import ROOT, spawn_server
 
-LABELS = {"kvserve": "kvserve", "vllm": "vLLM", "hf": "transformers serve"}
+LABELS = {"kvserve-compiled": "kvserve compiled", "kvserve": "kvserve", "vllm": "vLLM", "hf": "transformers serve"}
 
 
 def label(entry: str) -> str:
@@ -127,10 +127,15 @@ def python_output(python: str, code: str) -> str:
         raise RuntimeError(f"{python}: {getattr(e, 'stderr', None) or e}") from e
 
 
-def start_kvserve(args, log: Path, dtype: str | None) -> Server:
+def start_kvserve_compiled(args, log: Path, dtype: str | None) -> Server:
+    """kvserve with its model compiled at start (`--compile true`)."""
+    return start_kvserve(args, log, dtype, {"KVSERVE_COMPILE": "true"})
+
+
+def start_kvserve(args, log: Path, dtype: str | None, env: dict | None = None) -> Server:
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
     version = commit.stdout.strip()
-    env = {}
+    env = dict(env or {})
     if dtype:  # models.toml with this dtype instead of auto
         models = Path(f"/tmp/peers-models-{dtype}.toml")
         text = (ROOT / "models" / "models.toml").read_text()
@@ -186,4 +191,4 @@ def start_hf(args, log: Path, dtype: str | None) -> Server:
     return Server("hf", proc, base, model, version, dtype, body)
 
 
-STARTERS = {"kvserve": start_kvserve, "vllm": start_vllm, "hf": start_hf}
+STARTERS = {"kvserve": start_kvserve, "kvserve-compiled": start_kvserve_compiled, "vllm": start_vllm, "hf": start_hf}

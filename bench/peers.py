@@ -178,7 +178,8 @@ def main() -> int:
     parser.add_argument(
         "--servers",
         default="kvserve,kvserve@float32,vllm,vllm@bfloat16,hf",
-        help="any of kvserve, vllm, hf, comma-separated; NAME@DTYPE computes in that dtype (kvserve: instead of auto)",
+        help="any of kvserve, kvserve-compiled (--compile true), vllm, hf, comma-separated; NAME@DTYPE computes in "
+        "that dtype (kvserve: instead of auto)",
     )
     parser.add_argument("--levels", default="1,4,8", help="concurrent conversations, comma-separated")
     parser.add_argument("--turns", type=int, default=8)

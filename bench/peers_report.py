@@ -69,7 +69,7 @@ def render(results: dict, args) -> str:
 def ratio_lines(done: dict) -> list[str]:
     """Each kvserve run over each peer run, for the metrics and levels in RATIOS that both measured."""
     lines = []
-    ours_runs = [n for n in done if n.partition("@")[0] == "kvserve"]
+    ours_runs = [n for n in done if n.partition("@")[0] in ("kvserve", "kvserve-compiled")]
     peer_runs = [n for n in done if n.partition("@")[0] in ("vllm", "hf")]
     for what, key, levels, lower in RATIOS:
         parts = []

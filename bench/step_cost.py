@@ -19,13 +19,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from server.kv import kernels
-from server.kv.attention import STEP_KWARG, DecodeRows, SeqSpan, StepMeta, install
+from server.kv.attention import DecodeRows, SeqSpan, StepMeta, install, stepping
 from server.kv.pool import KVLayout, KVPool
 from server.models.loader import read_specs, resolve_source
 from server.models.packed_linear import pack_linears
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16
+STEP = "step"  # the kwargs' StepMeta, set around the forward (server.kv.attention.stepping)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -38,8 +39,13 @@ def median_ms(fn, repeats: int) -> float:
     return 1000 * sorted(times)[repeats // 2]
 
 
+def forward(model, kwargs: dict):
+    with stepping(kwargs[STEP]):
+        return model(**{k: v for k, v in kwargs.items() if k != STEP})
+
+
 def step_ms(model, kwargs: dict, repeats: int) -> float:
-    return median_ms(lambda: model(**kwargs), repeats)
+    return median_ms(lambda: forward(model, kwargs), repeats)
 
 
 def load(where: str, variant: str):
@@ -68,7 +74,7 @@ def decode_step(model, pool: KVPool, num: int, context: int, use_kernel: bool) -
         "position_ids": torch.full((1, num), context),
         "use_cache": False,
         "logits_to_keep": torch.arange(num),
-        STEP_KWARG: meta,
+        STEP: meta,
     }
 
 
@@ -79,7 +85,7 @@ def prefill_chunk(pool: KVPool, length: int) -> dict:
         "position_ids": torch.arange(length)[None],
         "use_cache": False,
         "logits_to_keep": torch.tensor([length - 1]),
-        STEP_KWARG: meta,
+        STEP: meta,
     }
 
 
@@ -117,10 +123,10 @@ def main() -> None:
 def profile(model, kwargs: dict, variant: str) -> None:
     from torch.profiler import profile as torch_profile
 
-    model(**kwargs)
+    forward(model, kwargs)
     with torch_profile() as prof:
         for _ in range(5):
-            model(**kwargs)
+            forward(model, kwargs)
     print(f"-- {variant}: batch-1 decode step, 5 steps, by operator (self CPU time)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
 

@@ -25,6 +25,7 @@ OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or th
     "--max-batch-tokens": "max_batch_tokens",
     "--max-queue": "max_queue",
     "--prefix-caching": "prefix_caching",
+    "--compile": "compile",
     "--session-ttl-s": "session_ttl_s",
     "--default-max-tokens": "default_max_tokens",
     "--request-timeout-s": "request_timeout_s",

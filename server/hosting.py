@@ -164,12 +164,14 @@ class ModelHost:
                 log.error("%s", exc)
                 continue
             loaded.guards_control_text = not self.settings.control_tokens_in_messages
+            if self.settings.compile and loaded.device.type == "cpu":
+                state.detail = "compiling the model (torch.compile; minutes the first time, cached after)"
             engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded))
             engine.start()
             self.engines[state.spec.id] = engine
             if self.fingerprints is not None:
                 self.fingerprints.announce(state.spec.id, engine.fingerprint_parts)
-            state.status = "ready"
+            state.status, state.detail = "ready", ""
             log.info("model %s ready on %s (%s)", state.spec.id, loaded.device, loaded.dtype)
 
     def _engine_config(self, loaded: LoadedModel) -> EngineConfig:
@@ -178,7 +180,8 @@ class ModelHost:
         if budget is None:
             free = _free_cuda(loaded.device) if loaded.device.type == "cuda" else None
             budget = default_kv_budget(loaded.device.type, free, _total_ram())
-        return EngineConfig(budget, s.block_size, s.max_batch_tokens, s.max_queue, s.prefix_caching)
+        compile_dir = str(s.cache_dir) if s.compile else None
+        return EngineConfig(budget, s.block_size, s.max_batch_tokens, s.max_queue, s.prefix_caching, compile_dir)
 
 
 def resolve_specs(settings: Settings) -> list[ModelSpec]:

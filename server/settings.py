@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(256, ge=1, description="tokens per engine step (decode tokens + prefill chunks)")
     max_queue: int = Field(64, ge=1, description="requests waiting for K/V blocks; more answer 429")
     prefix_caching: bool = Field(True, description="share and keep K/V blocks by prefix (false: recompute all)")
+    compile: bool = Field(
+        False,
+        description="compile each CPU model's dense part with torch.compile at start (a minute or two the first "
+        "time, artifacts kept under cache_dir/inductor; ready only when done)",
+    )
     state_dir: Path | None = Field(
         Path(".kvserve"),
         description="where sessions (JSON transcripts) and K/V snapshots (safetensors) persist across restarts; "

@@ -12,3 +12,4 @@ class EngineConfig:
     max_batch_tokens: int = 256  # tokens per step: decode tokens + prefill chunks
     max_queue: int = 64  # requests waiting for blocks; more are refused (429)
     is_prefix_caching: bool = True  # share and keep K/V blocks by prefix
+    compile_dir: str | None = None  # compile the model (CPU), its artifacts kept here; None: eager

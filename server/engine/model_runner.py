@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from server.engine.compiled import CompiledModel
 from server.engine.scheduler import Row
 from server.kv import kernels
 from server.kv.attention import (
-    STEP_KWARG,
     DecodeRows,
     PrefillRows,
     SeqSpan,
@@ -25,6 +26,7 @@ from server.kv.attention import (
     StepMeta,
     attention_inputs,
     install,
+    stepping,
 )
 from server.kv.blocks import Block
 from server.kv.head_layouts import HeadLayouts
@@ -64,7 +66,7 @@ class ForwardCounter:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, budget_bytes: int, block_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, budget_bytes: int, block_size: int, compile_dir: str | None = None) -> None:
         self.model = loaded.model
         self.device = loaded.device
         self.layout = KVLayout.of(loaded.model.config, loaded.dtype)
@@ -99,20 +101,20 @@ class ModelRunner:
         # Heads the kernel reads keep their layout across steps (within a quarter of the pool, at most 256 MiB).
         self.head_layouts = HeadLayouts.for_pool(self.layout, block_size, self.pool.nbytes)
         install(loaded.model)
+        self.compiled = _compiled(loaded, compile_dir) if compile_dir is not None else None
 
     def run(self, rows: list[Row]) -> torch.Tensor:
         """One forward pass over the rows; logits [R, V] for the rows that sample, in row order."""
         meta, input_ids, position_ids, sampled_at = self._prepare(rows)
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=sampled_at,
-                **{STEP_KWARG: meta},
-            )
+        with torch.inference_mode(), stepping(meta):
+            if self.compiled is not None:
+                logits: torch.Tensor = self.compiled(input_ids, position_ids, sampled_at)
+            else:
+                out = self.model(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=sampled_at
+                )
+                logits = out.logits[0]
         self._count(rows)
-        logits: torch.Tensor = out.logits[0]
         return logits
 
     def rest(self) -> None:
@@ -259,6 +261,19 @@ class ModelRunner:
             else:
                 self.counter.num_prefill_tokens += len(row.token_ids)
         self.counter.num_forwards += 1
+
+
+def _compiled(loaded: LoadedModel, cache_dir: str) -> CompiledModel | None:
+    """The model compiled (both graphs, now), or None where it runs eager (with the reason logged)."""
+    if loaded.device.type != "cpu":
+        log.warning("model %s: not compiled: compiling is built for the CPU only (%s)", loaded.spec.id, loaded.device)
+        return None
+    compiled = CompiledModel(loaded.model, Path(cache_dir), loaded.spec.id)
+    if not compiled.head_matches():
+        log.warning("model %s: not compiled: its LM head does more than a linear layer and a softcap", loaded.spec.id)
+        return None
+    compiled.compile()
+    return compiled
 
 
 def _common_prefix(tables: list[list[int]]) -> int:

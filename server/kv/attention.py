@@ -1,8 +1,10 @@
 """Attention over the paged K/V pool, plugged into transformers' attention interface.
 
 One engine step is one forward pass over a packed row of tokens from many sequences ([1, T]);
-the step's metadata rides along as a forward kwarg (`kvserve_step`), which transformers hands
-to every layer's attention function. There the new K/V are written to their slots and each
+the model runner sets the step's metadata for the forward (`stepping`), and every layer's attention
+function reads it. In a compiled model (server/engine/compiled.py) the attention is the custom op
+`kvserve::step_attention`, opaque to inductor, which reads the step the same way: the graph holds
+tensors only, and the step's Python objects never meet a guard. There the new K/V are written to their slots and each
 sequence attends to its own slots: the decode rows the model runner hands the kernel in one call of
 the paged decode kernel (server/kv/csrc), which reads the pool through the block tables; every other
 row or span (prefill chunks, long rows on one run of blocks) in one SDPA call each, on a view of the
@@ -11,12 +13,15 @@ they share with other rows, attended for all of them in one flash call whose out
 the kernel resumes from. Without the kernel (no compiler, or CUDA) all rows are spans.
 transformers also passes the layer's `sliding_window` (a key is visible when
 query_pos - key_pos < window) and `softcap` (Gemma-2's tanh capping of the scores): both are
-honoured on both paths. Called without the step kwarg (HF generate in tests) it is plain
-attention over the tensors it is given.
+honoured on both paths. Called outside a step (HF generate in tests, a compile's
+warm-up) it is plain causal attention over the tensors it is given.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +35,12 @@ from server.kv.head_layouts import HeadLayout
 from server.kv.pool import KVPool
 
 ATTN_NAME = "kvserve_paged"
-STEP_KWARG = "kvserve_step"
 PROBE_NAME = "kvserve_probe"
 ATTENTION_INPUTS_ATTR = "_kvserve_attention_inputs"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # What paged_attention honours (sliding_window, softcap, scaling) or may ignore: positions are already in the
 # rotated queries and keys, and dropout is 0 at inference.
-HANDLED_INPUTS = {"dropout", "scaling", "sliding_window", "softcap", "position_ids", STEP_KWARG}
+HANDLED_INPUTS = {"dropout", "scaling", "sliding_window", "softcap", "position_ids"}
 
 
 @dataclass(slots=True)
@@ -124,6 +128,7 @@ class StepMeta:
     spans: list[SeqSpan]  # the rows attended to one SDPA call each
     decode: DecodeRows | None = None  # the rows the kernel attends to in one call
     prefill: PrefillRows | None = None  # the chunks the prefill kernel attends to in one call (no window, no softcap)
+    num_op_calls: int = 0  # layers attended through kvserve::step_attention (a compiled graph's)
 
 
 def attend(
@@ -155,11 +160,83 @@ def paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """query [1, H, T, D], key/value [1, kvH, T, D] -> ([1, T, H, D], None)."""
-    step: StepMeta | None = kwargs.get(STEP_KWARG)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():  # the step is read when the op runs, not when it is traced
+        layer = int(module.layer_idx)  # type: ignore[arg-type]
+        return step_attention(query, key, value, layer, scale, sliding_window or 0, softcap or 0.0), None
+    step = current_step()
     if step is None:
         return _dense(module, query, key, value, attention_mask, scale, sliding_window, softcap, **kwargs)
-    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    return _paged(step, int(module.layer_idx), query, key, value, scale, sliding_window, softcap), None  # type: ignore[arg-type]
+
+
+_STEP = threading.local()  # the step the engine thread runs now
+
+
+@contextmanager
+def stepping(step: StepMeta) -> Iterator[None]:
+    """Attention in this thread attends over the pool as `step` says, until the block ends."""
+    _STEP.meta = step
+    try:
+        yield
+    finally:
+        _STEP.meta = None
+
+
+def current_step() -> StepMeta | None:
+    meta: StepMeta | None = getattr(_STEP, "meta", None)
+    return meta
+
+
+@torch.library.custom_op("kvserve::step_attention", mutates_args=())
+def step_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """paged_attention for a compiled graph ([1, T, H, D]); 0 stands for no window, no softcap. The new K/V are
+    written to the pool (a side effect inductor does not see; each layer reads only what its own call wrote)."""
+    window, cap = sliding_window or None, softcap or None
+    step = current_step()
+    if step is not None:
+        step.num_op_calls += 1
+        return _paged(step, layer, query, key, value, scale, window, cap)
+    n = query.shape[2]  # outside a step (a compile's warm-up): causal attention over the tokens given
+    positions = torch.arange(n, device=query.device)
+    visible = positions[None, :] <= positions[:, None]
+    if window is not None:
+        visible &= positions[None, :] > positions[:, None] - window
+    return attend(query, key, value, visible, scale, cap).transpose(1, 2).contiguous()
+
+
+@step_attention.register_fake
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+) -> torch.Tensor:
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
+
+
+def _paged(
+    step: StepMeta,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The step's attention for one layer: the new K/V into their slots, then each row over its keys."""
     k_pool, v_pool = step.pool.k[layer], step.pool.v[layer]  # [kvH, S, D]
     k_pool.index_copy_(1, step.slot_mapping, key[0].to(k_pool.dtype))
     v_pool.index_copy_(1, step.slot_mapping, value[0].to(v_pool.dtype))
@@ -211,7 +288,7 @@ def paged_attention(
         q = query[:, :, span.q_start : span.q_start + span.q_len]  # [1, H, q, D]
         o = attend(q, k.unsqueeze(0), v.unsqueeze(0), span.mask(sliding_window), scale, softcap)
         out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 _EMPTY = torch.empty(0)

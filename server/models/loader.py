@@ -157,7 +157,7 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
         weights = state_dict_digest(model)
     digests = ModelDigests(weights, config_digest(config), tokenizer_digest(tokenizer))
     if can_pack(model, device, dtype):
-        log.info("model %s: %d linear layers packed for oneDNN", spec.id, pack_linears(model, dtype))
+        log.info("model %s: %d linear layers packed for oneDNN", spec.id, pack_linears(model, dtype, spec.id))
     if spec.chat_template:
         tokenizer.chat_template = _read_template(spec)
     text_config = model.config.get_text_config(decoder=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import gc
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,22 @@ async def test_a_bf16_engine_with_packed_weights_and_the_kernel_answers_as_gener
         engine.stop()
     for prompt, result in zip(prompts, got, strict=True):  # transformers' own attention over the same weights
         assert result.token_ids == reference_greedy(loaded.model, prompt, 8)
+
+
+def test_a_layers_handle_comes_from_its_model_and_path_and_is_never_shared_while_alive():
+    model = build_model(vocab_size=300, eos_id=1).to(torch.float32)
+    first, second = copy.deepcopy(model), copy.deepcopy(model)
+    pack_linears(first, torch.float32, "m")
+    pack_linears(second, torch.float32, "m")
+    own = first.lm_head.handle
+    assert second.lm_head.handle != own  # the same model loaded twice: each call finds its own weights
+    assert first.model.layers[0].mlp.up_proj.handle != own
+    del first
+    gc.collect()
+    third = copy.deepcopy(model)
+    pack_linears(third, torch.float32, "m")
+    assert third.lm_head.handle == own  # the name's own handle again: a restart's graph finds its layers
+    x = torch.randn(3, model.config.hidden_size)
+    with torch.inference_mode():
+        got = torch.ops.kvserve.packed_linear(x, third.lm_head.handle, third.lm_head.out_features)
+        assert torch.equal(got, third.lm_head(x))

@@ -1,0 +1,86 @@
+"""The compiled model (server/engine/compiled.py) end to end: compiled at start, every step through its graphs,
+the greedy ids of HF generate() in fp32, the artifacts in the cache directory."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.engine.compiled import CACHE_ENV, CompiledModel
+from server.models.loader import load_model
+from server.models.packed_linear import PackedLinear
+from tests.engine.test_families import FAMILIES, SOFTCAP, save_family
+from tests.helpers import make_engine, reference_greedy, run
+from tests.tiny import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_spec):
+    """The tiny model in fp32: its linear layers packed, so the graph calls kvserve::packed_linear too."""
+    return load_model(dataclasses.replace(tiny_spec, dtype="float32"), Path("unused-cache"))
+
+
+def ids(tiny, text: str) -> list[int]:
+    return tiny.tokenizer(text)["input_ids"]
+
+
+async def test_the_compiled_model_answers_as_hf_generate(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "elsewhere"))  # restored after the test: the engine sets its own
+    engine = make_engine(tiny, block_size=4, compile_dir=str(tmp_path))
+    try:
+        compiled = engine.runner.compiled
+        assert compiled is not None, "the CPU engine was asked to compile"
+        assert isinstance(tiny.model.lm_head, PackedLinear)
+        assert os.environ[CACHE_ENV] == str(tmp_path / "inductor")
+        assert any((tmp_path / "inductor").rglob("*")), "inductor kept nothing in the cache directory"
+        first = ids(tiny, "The quick brown fox jumps over")
+        second = ids(tiny, "Paris is the capital of France; Berlin is")
+        # two conversations at once: prefill chunks beside decode rows in one step, then decode steps of two rows
+        results = await asyncio.gather(
+            run(engine, first, session="a", max_tokens=12, ignore_eos=True),
+            run(engine, second, session="b", max_tokens=12, ignore_eos=True),
+        )
+        assert results[0].token_ids == reference_greedy(tiny.model, first, 12)
+        assert results[1].token_ids == reference_greedy(tiny.model, second, 12)
+        # a later turn continues from the session's K/V, on the same graphs
+        later = first + results[0].token_ids + ids(tiny, " and then")
+        again = await run(engine, later, session="a", max_tokens=6, ignore_eos=True)
+        assert again.usage.cached_tokens > 0
+        assert again.token_ids == reference_greedy(tiny.model, later, 6)
+        assert compiled.num_steps >= 12 + 6
+        assert compiled.num_graph_steps == compiled.num_steps, "attention ran outside the graph's op"
+        assert compiled.num_eager_steps == 0, "a step ran eager: no compiled graph fitted it"
+        # inputs no graph was compiled for (int32 ids) run eager rather than compile on the engine thread
+        row = [5, 17, 42]
+        with torch.inference_mode():
+            logits = compiled(torch.tensor([row], dtype=torch.int32), torch.tensor([[0, 1, 2]]), torch.tensor([2]))
+            expected = tiny.model(input_ids=torch.tensor([row])).logits[0, 2:]
+        assert compiled.num_eager_steps == 1
+        assert torch.allclose(logits, expected, atol=1e-5), (logits - expected).abs().max()
+    finally:
+        engine.stop()
+
+
+def test_a_model_is_compiled_only_where_the_head_is_a_linear_layer_and_a_softcap(tmp_path):
+    """Gemma-2's final logit softcap is applied after the compiled decoder; a head that does more is caught at start."""
+    tokenizer = build_tokenizer()
+    family = FAMILIES["gemma2-softcap"]
+    FAMILIES["gemma2-final-softcap"] = lambda: dataclasses.replace(family(), final_logit_softcapping=SOFTCAP)
+    try:
+        loaded = load_model(save_family("gemma2-final-softcap", tokenizer, tmp_path / "gemma2"), tmp_path)
+    finally:
+        del FAMILIES["gemma2-final-softcap"]
+    gemma2 = CompiledModel(loaded.model, tmp_path, "gemma2")  # compiling is lazy: nothing is built here
+    assert gemma2.softcap == SOFTCAP
+    assert gemma2.head_matches()
+    gemma2.softcap = None  # as if the head's transform were unknown to us
+    assert not gemma2.head_matches()
+    llama = load_model(save_family("llama", tokenizer, tmp_path / "llama"), tmp_path)
+    llama = CompiledModel(llama.model, tmp_path, "llama")
+    assert llama.softcap is None
+    assert llama.head_matches()
