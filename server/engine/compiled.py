@@ -12,8 +12,10 @@ The token count is a symbolic size: one graph serves every step of 2 or more tok
 the single-token step (torch specialises a size of 1), with no padding. Both are compiled at start,
 before the model reports ready, by two warm-up forwards outside any step (attention then is plain
 causal attention over the tokens given). Inductor keeps its artifacts under the cache directory, so a
-restart skips the code generation (it still traces the model). Once warm, a step whose inputs would
-need another graph runs eager instead of stalling the engine for a compile (and is counted).
+restart skips the code generation (it still traces the model). Once compiled, a step whose inputs
+would need another graph runs eager instead of stalling the engine for a compile (and is counted):
+torch's `fail_on_recompile` stance refuses it where the guards are checked, before any of it runs.
+The stance is process-wide, so with several compiled models their calls take turns (`STANCE`).
 
 The LM head and a final logit softcap are applied eager, to the sampled rows only; a model whose head
 does something else (found by comparing with its own forward at start) is not compiled.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from server.kv.attention import current_step
 
@@ -37,6 +41,8 @@ log = logging.getLogger("kvserve.engine")
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 WARM_UP_TOKENS = (1, 2)  # a one-token graph and the symbolic one
 RECOMPILE_ERROR = "Detected recompile"  # how torch's "fail_on_recompile" stance says no graph fits
+# torch's compile stance is one process-wide setting: the compiled models' calls and compiles take turns with it
+STANCE = threading.Lock()
 
 
 class CompiledModel:
@@ -54,7 +60,6 @@ class CompiledModel:
         self.num_eager_steps = 0  # of those, the ones that ran eager: their inputs wanted a graph not compiled at start
         self.compile_s = 0.0
         self.cache_hits = 0
-        self._warm = False
         self._compiled: Callable[..., Any] = torch.compile(self.body, dynamic=True, fullgraph=True)
 
     def head_matches(self) -> bool:
@@ -68,17 +73,16 @@ class CompiledModel:
 
     def compile(self) -> None:
         """Compile both graphs now (warm-up forwards outside any step); logs the time and the cache's share."""
-        os.environ[CACHE_ENV] = str(self.cache_dir)  # never the machine's shared default under /tmp
+        os.environ[CACHE_ENV] = _cache_dir(self.cache_dir)
         hits_before = counters["aot_autograd"]["autograd_cache_hit"]
         start = time.perf_counter()
         for n in WARM_UP_TOKENS:  # inputs made as the runner makes them: outside inference mode, not views (guards)
             ids = torch.tensor([[1] * n], dtype=torch.long, device=self.device)
             positions = torch.tensor([list(range(n))], dtype=torch.long, device=self.device)
-            with torch.inference_mode():
+            with STANCE, torch.compiler.set_stance("default"), torch.inference_mode():
                 self._compiled(input_ids=ids, position_ids=positions, use_cache=False)
         self.compile_s = time.perf_counter() - start
         self.cache_hits = counters["aot_autograd"]["autograd_cache_hit"] - hits_before
-        self._warm = True
         log.info(
             "model %s: compiled in %.1f s (%d of %d graphs from the cache in %s)",
             self.model_id,
@@ -89,21 +93,23 @@ class CompiledModel:
         )
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, sampled_at: torch.Tensor) -> torch.Tensor:
-        """One step's forward (inside `stepping`): the compiled graph, or eager where none fits once warm."""
+        """One step's forward (inside `stepping`, once compiled): the graph, or eager where none fits."""
         step = current_step()
+        calls = step.num_op_calls if step is not None else 0
         self.num_steps += 1
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
         try:
-            with torch.compiler.set_stance("fail_on_recompile" if self._warm else "default"):
+            with STANCE, torch.compiler.set_stance("fail_on_recompile"):
                 hidden = self._compiled(**inputs).last_hidden_state
-        except RuntimeError as exc:  # raised on entry, before the graph (one graph, no breaks) runs any of it
-            if not str(exc).startswith(RECOMPILE_ERROR):
+        except RuntimeError as exc:  # raised on entry, where the guards are checked: nothing of the step has run
+            ran = step is not None and step.num_op_calls != calls
+            if ran or not str(exc).startswith(RECOMPILE_ERROR):
                 raise
             if self.num_eager_steps == 0:
                 log.warning("model %s: a %d-token step ran eager (no graph fits)", self.model_id, input_ids.shape[1])
             self.num_eager_steps += 1
-            hidden = self.body(**inputs).last_hidden_state
-        if step is not None and step.num_op_calls:
+            return self._logits(self.body(**inputs).last_hidden_state, sampled_at)
+        if step is not None and step.num_op_calls != calls:
             self.num_graph_steps += 1
         return self._logits(hidden, sampled_at)
 
@@ -112,3 +118,12 @@ class CompiledModel:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def _cache_dir(ours: Path) -> str:
+    """The cache directory the environment gives torch, else ours: never the machine's shared default under /tmp
+    (which torch writes into the environment itself once its compiler is imported)."""
+    given = os.environ.get(CACHE_ENV)
+    if given is None or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
+        return str(ours)
+    return given

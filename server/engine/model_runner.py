@@ -272,7 +272,11 @@ def _compiled(loaded: LoadedModel, cache_dir: str) -> CompiledModel | None:
     if not compiled.head_matches():
         log.warning("model %s: not compiled: its LM head does more than a linear layer and a softcap", loaded.spec.id)
         return None
-    compiled.compile()
+    try:
+        compiled.compile()
+    except Exception:  # a graph break, no C++ compiler, an inductor error: the model still serves, eager
+        log.exception("model %s: not compiled: compiling failed; it runs eager", loaded.spec.id)
+        return None
     return compiled
 
 

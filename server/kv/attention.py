@@ -176,11 +176,12 @@ _STEP = threading.local()  # the step the engine thread runs now
 @contextmanager
 def stepping(step: StepMeta) -> Iterator[None]:
     """Attention in this thread attends over the pool as `step` says, until the block ends."""
+    outer = current_step()
     _STEP.meta = step
     try:
         yield
     finally:
-        _STEP.meta = None
+        _STEP.meta = outer
 
 
 def current_step() -> StepMeta | None:

@@ -22,6 +22,7 @@ model and the model's key, so the same model loaded again gets the same handles 
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 import zlib
@@ -43,7 +44,18 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT), persistent=False)
         self.bias = linear.bias
+        self.name = name
         self.handle = _register(self, name)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> PackedLinear:
+        """A copy is a layer of its own: its handle finds its weights (the original's packed ones, until replaced)."""
+        clone = PackedLinear.__new__(PackedLinear)
+        memo[id(self)] = clone
+        memo[id(self.packed)] = self.packed  # shared: never written, and oneDNN's layout cannot be copied as a tensor
+        for key, value in self.__dict__.items():
+            clone.__dict__[key] = copy.deepcopy(value, memo)
+        clone.handle = _register(clone, self.name)
+        return clone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -82,7 +94,7 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, key: str = "") -> int:
     """Swap every nn.Linear of the model in `dtype` (the model's: not a layer it keeps in fp32 beside bf16 ones)
     for a PackedLinear named `key` and its path in the model; returns how many were packed."""
     swaps = [
-        (parent, f"{path}.{name}", name, child)
+        (parent, f"{path}.{name}" if path else name, name, child)
         for path, parent in model.named_modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear and child.weight.dtype == dtype

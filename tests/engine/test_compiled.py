@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from server.engine.compiled import CACHE_ENV, CompiledModel
+from server.engine.compiled import CACHE_ENV, WARM_UP_TOKENS, CompiledModel, _cache_dir
+from server.kv.attention import StepMeta, current_step, stepping
+from server.kv.pool import KVLayout, KVPool
 from server.models.loader import load_model
 from server.models.packed_linear import PackedLinear
 from tests.engine.test_families import FAMILIES, SOFTCAP, save_family
@@ -30,14 +33,14 @@ def ids(tiny, text: str) -> list[int]:
 
 
 async def test_the_compiled_model_answers_as_hf_generate(tiny, tmp_path, monkeypatch):
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "elsewhere"))  # restored after the test: the engine sets its own
+    monkeypatch.delenv(CACHE_ENV, raising=False)  # restored after the test: the engine sets its own
     engine = make_engine(tiny, block_size=4, compile_dir=str(tmp_path))
     try:
         compiled = engine.runner.compiled
         assert compiled is not None, "the CPU engine was asked to compile"
-        assert isinstance(tiny.model.lm_head, PackedLinear)
+        assert isinstance(tiny.model.model.layers[0].mlp.up_proj, PackedLinear)  # in the graph: kvserve::packed_linear
         assert os.environ[CACHE_ENV] == str(tmp_path / "inductor")
-        assert any((tmp_path / "inductor").rglob("*")), "inductor kept nothing in the cache directory"
+        assert compiled.cache_hits == 0
         first = ids(tiny, "The quick brown fox jumps over")
         second = ids(tiny, "Paris is the capital of France; Berlin is")
         # two conversations at once: prefill chunks beside decode rows in one step, then decode steps of two rows
@@ -64,6 +67,26 @@ async def test_the_compiled_model_answers_as_hf_generate(tiny, tmp_path, monkeyp
         assert torch.allclose(logits, expected, atol=1e-5), (logits - expected).abs().max()
     finally:
         engine.stop()
+    # a restart: the same model compiled again in a fresh dynamo finds both graphs in the cache directory
+    torch._dynamo.reset()
+    again = CompiledModel(tiny.model, tmp_path, "tiny")
+    again.compile()
+    assert again.cache_hits == len(WARM_UP_TOKENS)
+
+
+async def test_a_model_that_fails_to_compile_serves_eager(tiny, tmp_path, monkeypatch):
+    def fail(self):
+        raise RuntimeError("inductor could not build this graph")
+
+    monkeypatch.setattr(CompiledModel, "compile", fail)
+    engine = make_engine(tiny, block_size=4, compile_dir=str(tmp_path))
+    try:
+        assert engine.runner.compiled is None
+        prompt = ids(tiny, "The quick brown fox")
+        result = await run(engine, prompt, max_tokens=4, ignore_eos=True)
+        assert result.token_ids == reference_greedy(tiny.model, prompt, 4)
+    finally:
+        engine.stop()
 
 
 def test_a_model_is_compiled_only_where_the_head_is_a_linear_layer_and_a_softcap(tmp_path):
@@ -84,3 +107,23 @@ def test_a_model_is_compiled_only_where_the_head_is_a_linear_layer_and_a_softcap
     llama = CompiledModel(llama.model, tmp_path, "llama")
     assert llama.softcap is None
     assert llama.head_matches()
+
+
+def test_inductor_caches_where_the_environment_says_else_in_our_cache_directory(tmp_path, monkeypatch):
+    ours = tmp_path / "inductor"
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    assert _cache_dir(ours) == str(ours)
+    monkeypatch.setenv(CACHE_ENV, default_cache_dir())  # torch's shared default, written by torch itself
+    assert _cache_dir(ours) == str(ours)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "given"))
+    assert _cache_dir(ours) == str(tmp_path / "given")
+
+
+def test_a_step_set_inside_another_gives_the_outer_one_back(tiny):
+    pool = KVPool(KVLayout.of(tiny.model.config, torch.float32), 4, 4, torch.device("cpu"))
+    outer, inner = StepMeta(pool, torch.zeros(1, dtype=torch.long), []), StepMeta(pool, torch.ones(1), [])
+    with stepping(outer):
+        with stepping(inner):
+            assert current_step() is inner
+        assert current_step() is outer
+    assert current_step() is None

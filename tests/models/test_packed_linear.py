@@ -128,3 +128,15 @@ def test_a_layers_handle_comes_from_its_model_and_path_and_is_never_shared_while
     with torch.inference_mode():
         got = torch.ops.kvserve.packed_linear(x, third.lm_head.handle, third.lm_head.out_features)
         assert torch.equal(got, third.lm_head(x))
+
+
+def test_a_copied_layer_has_a_handle_of_its_own():
+    model = build_model(vocab_size=300, eos_id=1).to(torch.float32)
+    pack_linears(model, torch.float32, "copied")
+    clone = copy.deepcopy(model)
+    assert clone.lm_head.handle != model.lm_head.handle
+    x = torch.randn(2, model.config.hidden_size)
+    with torch.inference_mode():
+        clone.lm_head.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(300, x.shape[1]), 1)
+        assert torch.equal(torch.ops.kvserve.packed_linear(x, clone.lm_head.handle, 300), torch.zeros(2, 300))
+        assert torch.equal(torch.ops.kvserve.packed_linear(x, model.lm_head.handle, 300), model.lm_head(x))
