@@ -3,12 +3,14 @@
 Every change (create, turn, rewind, fork, delete) is journaled before it is applied: one the journal refuses raises
 StateUnavailable and leaves memory as it was, so what the API answered is what a restart finds. Forgetting a session
 tells the K/V tiers (`Forgetter`s) too. A request's cost here does not grow with the sessions (index.py).
+
+One class, owning its parts: the sessions in memory (table.py), the sync with the shared store's records (sync.py),
+the journal and the leases.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,19 +23,20 @@ from server.sessions.errors import (
     SessionNotFound,
     StateUnavailable,
 )
-from server.sessions.index import Forgotten, SessionIndex
+from server.sessions.index import Reach
 from server.sessions.journal import Journal
 from server.sessions.leases import LeaseBook, Leases, LocalLeases
-from server.sessions.record import CompletedTurn, Session, SessionKey
+from server.sessions.record import CompletedTurn, Session, SessionInfo, SessionKey
 from server.sessions.shared import SharedRecords
 from server.sessions.shared_state import new_op
-from server.sessions.sync import Forgetter, StoreSync
+from server.sessions.sync import Forgetter, SharedSync
+from server.sessions.table import SessionTable
 
 log = logging.getLogger("kvserve.sessions")
 TurnHook = Callable[[dict[str, Any], CompletedTurn], None]  # updates a kind's extras when a turn completes
 
 
-class SessionStore(StoreSync):
+class SessionStore:
     def __init__(
         self,
         ttl_s: float,
@@ -54,15 +57,78 @@ class SessionStore(StoreSync):
         self.is_shared = shared is not None  # then reads and changes may wait on the network: call off the loop
         self._forgetters = forgetters
         self._clock, self._wall = clock, wall_clock
-        self._lock = threading.Lock()
-        self._sessions: dict[SessionKey, Session] = {}
-        self._index = SessionIndex()
+        self._table = SessionTable()
+        self._sync = SharedSync(shared, self._table, self.journal, forgetters, self._drop_tiers, clock, wall_clock)
         self._turn_hooks: dict[str, TurnHook] = {}
-        self._forgotten = Forgotten()
 
     def on_turn(self, kind: str, hook: TurnHook) -> None:
         """`hook(extras, turn)` runs when a turn of a session of `kind` completes, before it is journaled."""
         self._turn_hooks[kind] = hook
+
+    # -- reading ------------------------------------------------------------------------
+    def info(self, key: SessionKey) -> SessionInfo | None:
+        self._sync.refresh(key)
+        with self._table.lock:
+            self._expire_locked()
+            session = self._table.sessions.get(key)
+            return None if session is None else SessionInfo.of(session)
+
+    def page(self, tenant: str, kind: str, limit: int, after: str | None = None) -> tuple[list[SessionInfo], bool]:
+        """Up to `limit` of the tenant's sessions of `kind`, oldest first, after the one named `after`;
+        and whether more follow. Costs the page, not the tenant's number of sessions."""
+        with self._table.lock:
+            self._expire_locked()
+            start = None
+            if after is not None:
+                anchor = self._table.sessions.get(SessionKey(tenant, after, kind))
+                if anchor is None:
+                    return [], False
+                start = (anchor.created_at, anchor.key.name)
+            keys = self._table.index.page(tenant, kind, start, limit + 1)
+            return [SessionInfo.of(self._table.sessions[k]) for k in keys[:limit]], len(keys) > limit
+
+    def view(self, key: SessionKey) -> Session | None:
+        """A detached copy (transcript, turns, messages, extras), for building a prompt."""
+        self._sync.refresh(key)
+        with self._table.lock:
+            self._expire_locked()
+            session = self._table.sessions.get(key)
+            return None if session is None else session.copy()
+
+    def transcript(self, key: SessionKey) -> list[int]:
+        with self._table.lock:
+            session = self._table.sessions.get(key)
+            return list(session.transcript_ids) if session else []
+
+    def reach(self, key: SessionKey, model_id: str, transcript: list[int]) -> Reach:
+        """How much of `transcript` another session or response of `key`'s tenant on the model shares: the K/V
+        blocks holding it are reached by someone else."""
+        with self._table.lock:
+            return self._table.index.reach(key.tenant, model_id, transcript, exclude=key)
+
+    def idle_transcripts(self, model_id: str) -> list[tuple[SessionKey, list[int]]]:
+        """Idle sessions and responses of a model with a transcript, least recently used first."""
+        with self._table.lock:
+            found = [(k, self._table.sessions[k].transcript_ids) for k in self._table.index.idle(model_id)]
+            return [(k, list(ids)) for k, ids in found if ids]
+
+    def tenant_usage(self, tenant: str, exclude: SessionKey) -> tuple[int, int]:
+        """(entries of `exclude`'s kind family, transcript tokens of its sessions and responses), `exclude` left out."""
+        with self._table.lock:
+            return self._table.index.usage(tenant, exclude, self._table.sessions.get(exclude))
+
+    def session_keys(self, kind: str | None = None) -> set[SessionKey]:
+        with self._table.lock:
+            return {k for k in self._table.sessions if kind is None or k.kind == kind}
+
+    def counts(self) -> dict[str, int]:
+        with self._table.lock:
+            return dict(self._table.index.counts())
+
+    def is_live(self, key: SessionKey, session: Session | None = None) -> bool:
+        """Whether `key` names a session (`session` itself, when given: not a new one under a deleted name)."""
+        with self._table.lock:
+            return key in self._table.sessions if session is None else self._table.sessions.get(key) is session
 
     # -- creating and restoring ---------------------------------------------------
     def _new(self, key: SessionKey, model_id: str, ttl_s: float | None) -> Session:
@@ -79,9 +145,9 @@ class SessionStore(StoreSync):
         Raises SessionBusy when the id is taken, QuotaExceeded when the tenant has no room for another,
         StateUnavailable when the journal refuses it.
         """
-        with self._lock:
+        with self._table.lock:
             self._expire_locked()
-            if key in self._sessions:
+            if key in self._table.sessions:
                 raise SessionBusy(f"session {key.name!r} already exists")
             self._check_room(key)
             session = self._new(key, model_id, ttl_s)
@@ -89,27 +155,27 @@ class SessionStore(StoreSync):
                 setattr(session, name, value)
             self._hold_new(session)  # counted and taken while it is committed, which may wait on the network
         self._commit_new(session)
-        with self._lock:
+        with self._table.lock:
             session.is_in_use = False
-            if self._sessions.get(key) is session:
-                self._index.touch(session)
+            if self._table.sessions.get(key) is session:
+                self._table.index.touch(session)
         return session
 
     def restore(self) -> int:
         """At start: every session a previous run journaled (K/V comes back lazily). Returns the count."""
         sessions = self.journal.load_sessions(self._clock(), self._wall())
-        with self._lock:
+        with self._table.lock:
             for session in sessions:
-                if session.key not in self._sessions:
-                    self._insert(session)
+                if session.key not in self._table.sessions:
+                    self._table.insert(session)
         self.expire()
         return len(sessions)
 
     def save_all(self) -> tuple[int, list[SessionKey]]:
         """At shutdown: every live record written again (a state directory removed meanwhile comes back).
         Returns how many were written, and the keys it could not write."""
-        with self._lock:
-            records = [(k, s.to_record()) for k, s in self._sessions.items() if not k.is_bucket]
+        with self._table.lock:
+            records = [(k, s.to_record()) for k, s in self._table.sessions.items() if not k.is_bucket]
         failed = self.journal.save_all(records)
         return len(records) - len(failed), failed
 
@@ -118,18 +184,18 @@ class SessionStore(StoreSync):
         """Mark the session in use, creating (and journaling) it on first use. Buckets never raise: a busy bucket
         gives None, and so does a new one past the tenant's limit; a new session past it raises QuotaExceeded.
         A session never switches between a chat and a completion transcript (SessionModeMismatch)."""
-        self._refresh(key)
+        self._sync.refresh(key)
         made = None
-        with self._lock:
+        with self._table.lock:
             self._expire_locked()
-            session = self._sessions.get(key)
+            session = self._table.sessions.get(key)
             if session is None:
                 if key.is_bucket and not self._has_room(key):
                     return None  # a bucket is a hint: the request runs without one
                 self._check_room(key)
                 session = self._new(key, model_id, None)
                 if key.is_bucket:
-                    self._insert(session)
+                    self._table.insert(session)
                 else:
                     self._hold_new(session)
                     made = session
@@ -151,15 +217,15 @@ class SessionStore(StoreSync):
             try:
                 self.leases.take(key)
             except Exception:
-                with self._lock:
+                with self._table.lock:
                     session.is_in_use = False
                 if session.is_claim:
                     session.is_claim = False
                     self._drop_unclaimed(session)
                 raise
-        with self._lock:
+        with self._table.lock:
             session.last_use, session.last_use_wall = self._clock(), self._wall()
-            self._index.busy(session)
+            self._table.index.busy(session)
             return session
 
     def release(self, session: Session, turn: CompletedTurn | None = None) -> None:
@@ -175,10 +241,10 @@ class SessionStore(StoreSync):
                 staged = self._journal_turn(session, turn)  # on disk before the client hears the turn ended
         finally:
             is_claim, session.is_claim = session.is_claim, False  # its first request has ended, one way or another
-            with self._lock:
-                is_live = self._sessions.get(session.key) is session
+            with self._table.lock:
+                is_live = self._table.sessions.get(session.key) is session
                 if staged is not None and is_live:
-                    self._index.retranscribe(session, staged.transcript_ids)
+                    self._table.index.retranscribe(session, staged.transcript_ids)
                 if staged is not None:
                     session.transcript_ids, session.turns = staged.transcript_ids, staged.turns
                     session.messages, session.extras, session.rev = staged.messages, staged.extras, staged.rev
@@ -186,7 +252,7 @@ class SessionStore(StoreSync):
                 session.is_in_use = False
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
                 if is_live:
-                    self._index.touch(session)
+                    self._table.index.touch(session)
             if staged is None and self.shared is not None and not session.key.is_bucket and not is_claim:
                 self.shared.touch(session.key, session.ttl_s)
             self.leases.give_back(session.key)  # after the turn is journaled
@@ -197,22 +263,22 @@ class SessionStore(StoreSync):
         """The session with `turn` applied, committed to the shared store (outside the store's lock: it may wait
         on the network; the session is in use, so nothing else here changes it meanwhile) and the journal;
         raises with nothing changed."""
-        with self._lock:
+        with self._table.lock:
             staged = session.with_turn(turn, self._turn_hooks.get(session.key.kind), self._wall())
             staged.rev, staged.op = session.rev + 1, new_op()
-            if self._sessions.get(session.key) is not session:
+            if self._table.sessions.get(session.key) is not session:
                 return staged  # deleted meanwhile: its state belongs to nobody
         self._commit_shared(staged, expected_op=session.op)
-        with self._lock:
-            if self._sessions.get(session.key) is session:
+        with self._table.lock:
+            if self._table.sessions.get(session.key) is session:
                 self._journal_save(staged)
         return staged
 
     # -- changing ---------------------------------------------------------------------
     def rewind(self, key: SessionKey, num_turns: int) -> Session:
-        self._refresh(key)
-        with self._lock:
-            session = self._sessions.get(key)
+        self._sync.refresh(key)
+        with self._table.lock:
+            session = self._table.sessions.get(key)
             if session is None:
                 raise SessionNotFound(f"no session {key.name!r}")
             if session.is_in_use:
@@ -222,21 +288,21 @@ class SessionStore(StoreSync):
             staged.cut(num_turns)
             staged.rev, staged.op = session.rev + 1, new_op()
             session.is_in_use = True  # no turn starts while the rewind commits (outside the lock)
-            self._index.busy(session)
+            self._table.index.busy(session)
         try:
             self._save(staged, expected_op=session.op)
         finally:
-            with self._lock:
+            with self._table.lock:
                 session.is_in_use = False
-                if self._sessions.get(key) is session:
-                    self._index.touch(session)
-        with self._lock:
-            if self._sessions.get(key) is session:
-                self._index.retranscribe(session, staged.transcript_ids)
+                if self._table.sessions.get(key) is session:
+                    self._table.index.touch(session)
+        with self._table.lock:
+            if self._table.sessions.get(key) is session:
+                self._table.index.retranscribe(session, staged.transcript_ids)
                 session.turns, session.messages, session.rev = staged.turns, staged.messages, staged.rev
                 session.op, session.epoch = staged.op, staged.epoch
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
-                self._index.touch(session)
+                self._table.index.touch(session)
         return session
 
     def _drop_unclaimed(self, session: Session) -> None:
@@ -259,8 +325,8 @@ class SessionStore(StoreSync):
         a turn on it. Returns whether it was deleted."""
         if self.shared is not None:
             return False
-        with self._lock:
-            live = self._sessions.get(session.key)
+        with self._table.lock:
+            live = self._table.sessions.get(session.key)
             if live is not session or live.is_in_use or live.transcript_ids or live.num_turns:
                 return False
         return self._delete(session)
@@ -268,9 +334,9 @@ class SessionStore(StoreSync):
     def delete(self, key: SessionKey) -> bool:
         """Forget a session everywhere; its journal record goes first (StateUnavailable: nothing forgotten).
         One in use is detached: its request finishes, its state is then dropped."""
-        self._refresh(key)
-        with self._lock:
-            session = self._sessions.get(key)
+        self._sync.refresh(key)
+        with self._table.lock:
+            session = self._table.sessions.get(key)
         return session is not None and self._delete(session)
 
     def _delete(self, session: Session) -> bool:
@@ -280,8 +346,8 @@ class SessionStore(StoreSync):
         key = session.key
         if self.shared is not None and not key.is_bucket:
             self.shared.delete(key, session.ttl_s, new_op())  # every replica's copy is stale from now on
-        with self._lock:
-            if self._sessions.get(key) is not session:
+        with self._table.lock:
+            if self._table.sessions.get(key) is not session:
                 return True  # gone meanwhile (another replica's delete, read by a refresh)
             if not key.is_bucket:
                 try:
@@ -290,7 +356,7 @@ class SessionStore(StoreSync):
                     if self.shared is None:
                         raise StateUnavailable(f"session {key.name!r} could not be deleted: {exc.strerror}") from exc
                     log.warning("session %s: deleted, but its record here was not removed (%s)", key.name, exc)
-            self._remove(session)
+            self._table.remove(session)
         self._drop_tiers(key)
         return True
 
@@ -299,14 +365,16 @@ class SessionStore(StoreSync):
         they are gone; none is ever written back). One in use goes when it is next refreshed. Returns how many."""
         if self.shared is None or epoch is None:
             return 0
-        with self._lock:
-            stale = [s for s in self._sessions.values() if not s.key.is_bucket and not s.is_in_use and s.epoch != epoch]
+        with self._table.lock:
+            stale = [
+                s for s in self._table.sessions.values() if not s.key.is_bucket and not s.is_in_use and s.epoch != epoch
+            ]
             for session in stale:
                 try:
                     self.journal.delete(session.key)
                 except OSError:
                     log.exception("the record of session %s could not be removed", session.key.name)
-                self._remove(session)
+                self._table.remove(session)
         for session in stale:
             self._drop_tiers(session.key)
         if stale:
@@ -314,20 +382,20 @@ class SessionStore(StoreSync):
         return len(stale)
 
     def expire(self) -> None:
-        with self._lock:
+        with self._table.lock:
             self._expire_locked()
 
     def take_forgotten(self, model_id: str) -> list[tuple[SessionKey, list[int]]]:
         """Sessions of a model deleted or expired since the last call (their device K/V may go too)."""
-        with self._lock:
-            return self._forgotten.take(model_id)
+        with self._table.lock:
+            return self._table.forgotten.take(model_id)
 
     # -- internals (lock held) --------------------------------------------------------
     def _has_room(self, key: SessionKey) -> bool:
         """Whether the tenant may have one more of `key`'s family (buckets; or sessions and stored responses)."""
         if self.max_sessions_per_tenant is None:
             return True
-        num_same, _ = self._index.usage(key.tenant, key, None)
+        num_same, _ = self._table.index.usage(key.tenant, key, None)
         return num_same < self.max_sessions_per_tenant
 
     def _check_room(self, key: SessionKey) -> None:
@@ -365,28 +433,18 @@ class SessionStore(StoreSync):
         """A session being made: in the store (counted toward quotas, its name taken) and in use until it is
         committed, so nothing else starts on it meanwhile."""
         session.is_in_use = True
-        self._insert(session)
-        self._index.busy(session)
+        self._table.insert(session)
+        self._table.index.busy(session)
 
     def _commit_new(self, session: Session) -> None:
         """Commit a session `_hold_new` holds (outside the lock); one refused goes, as if never asked for."""
         try:
             self._save(session, expected_op="")
         except BaseException:
-            with self._lock:
-                if self._sessions.get(session.key) is session:
-                    self._remove(session)
+            with self._table.lock:
+                if self._table.sessions.get(session.key) is session:
+                    self._table.remove(session)
             raise
-
-    def _insert(self, session: Session) -> None:
-        self._sessions[session.key] = session
-        self._index.add(session)
-
-    def _remove(self, session: Session) -> None:
-        del self._sessions[session.key]
-        self._index.remove(session)
-        if not session.key.is_bucket:
-            self._forgotten.add(session)
 
     def _drop_tiers(self, key: SessionKey) -> None:
         try:
@@ -397,8 +455,8 @@ class SessionStore(StoreSync):
 
     def _expire_locked(self) -> None:
         """Drop idle sessions past their TTL, and their files; a session in use never expires."""
-        for key in self._index.due(self._clock()):
-            session = self._sessions[key]
+        for key in self._table.index.due(self._clock()):
+            session = self._table.sessions[key]
             if session.is_in_use:
                 continue  # touched again when released
             try:
@@ -406,5 +464,5 @@ class SessionStore(StoreSync):
                     self.journal.delete(key)
             except OSError:  # it expires again at the next start
                 log.exception("the record of expired session %s could not be removed", key.name)
-            self._remove(session)
+            self._table.remove(session)
             self._drop_tiers(key)  # file unlinks: quick enough to do under the lock

@@ -1,6 +1,6 @@
 """Keeping this replica's copy of a session in step with the records other replicas commit (torch-free).
 
-`SessionStore` (store.py) inherits this; with no shared store configured every method here does nothing.
+The session store (store.py) owns one `SharedSync`; with no shared store configured `refresh` does nothing.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from server.sessions.journal import Journal
-from server.sessions.reads import StoreReads
 from server.sessions.record import Session, SessionKey
 from server.sessions.shared import GONE, SharedRecords
+from server.sessions.table import SessionTable
 
 log = logging.getLogger("kvserve.sessions")
 
@@ -25,34 +25,33 @@ class Forgetter(Protocol):
     def drop(self, key: SessionKey) -> None: ...
 
 
-class StoreSync(StoreReads):
-    shared: SharedRecords | None
-    journal: Journal
-    _clock: Callable[[], float]  # monotonic
-    _wall: Callable[[], float]  # unix time
-    _forgetters: tuple[Forgetter, ...]
+class SharedSync:
+    def __init__(
+        self,
+        shared: SharedRecords | None,
+        table: SessionTable,
+        journal: Journal,
+        forgetters: tuple[Forgetter, ...],
+        drop_tiers: Callable[[SessionKey], None],
+        clock: Callable[[], float],  # monotonic
+        wall_clock: Callable[[], float],  # unix time
+    ) -> None:
+        self.shared, self._table, self.journal = shared, table, journal
+        self._forgetters, self._drop_tiers = forgetters, drop_tiers
+        self._clock, self._wall = clock, wall_clock
 
-    def _insert(self, session: Session) -> None:
-        raise NotImplementedError
-
-    def _remove(self, session: Session) -> None:
-        raise NotImplementedError
-
-    def _drop_tiers(self, key: SessionKey) -> None:
-        raise NotImplementedError
-
-    def _refresh(self, key: SessionKey) -> None:
+    def refresh(self, key: SessionKey) -> None:
         """Bring this replica's copy of `key` up to the shared record, which is the truth: another replica may have
         created it, moved it on or deleted it, and Redis may have lost it. One in use here is left alone (its turn
         commits on top of the operation it read, or is refused). Raises SharedStoreUnavailable."""
         if self.shared is None or key.is_bucket:
             return
-        with self._lock:
-            before = self._sessions.get(key)
+        with self._table.lock:
+            before = self._table.sessions.get(key)
             read_op = before.op if before is not None else None
         found = self.shared.load(key)
-        with self._lock:
-            local = self._sessions.get(key)
+        with self._table.lock:
+            local = self._table.sessions.get(key)
             if local is not before or (local is not None and (local.is_in_use or local.op != read_op)):
                 return  # in use, or changed here while Redis was read (a commit, a create): newer than this read
             if found == GONE or found is None:
@@ -86,9 +85,9 @@ class StoreSync(StoreReads):
             self.journal.revive(key)  # this replica may have deleted the name before; another one reused it
             for forgetter in self._forgetters:
                 forgetter.revive(key)
-            self._insert(found)
+            self._table.insert(found)
         else:
-            self._index.retranscribe(local, found.transcript_ids)
+            self._table.index.retranscribe(local, found.transcript_ids)
             local.transcript_ids, local.turns, local.messages = found.transcript_ids, found.turns, found.messages
             local.extras, local.ttl_s, local.parent, local.rev = found.extras, found.ttl_s, found.parent, found.rev
             local.tools, local.op, local.epoch = found.tools, found.op, found.epoch
@@ -103,5 +102,5 @@ class StoreSync(StoreReads):
             self.journal.delete(session.key)
         except OSError:
             log.exception("the record of deleted session %s could not be removed", session.key.name)
-        self._remove(session)
+        self._table.remove(session)
         self._drop_tiers(session.key)
