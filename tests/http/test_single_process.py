@@ -14,13 +14,13 @@ SCRIPT = textwrap.dedent(
     from fastapi.testclient import TestClient
     from server.app import create_app
     from server.settings import Settings
+    from tests.helpers import wait_until
     from tests.tiny import save_tiny
 
     spec = save_tiny(Path(sys.argv[1]))
     app = create_app(Settings(state_dir=Path(sys.argv[1]) / "state"), specs=[spec])
     with TestClient(app) as client:
-        while client.get("/ready").status_code != 200:
-            pass
+        wait_until(lambda: client.get("/ready").status_code == 200, what="the tiny model to load")
         messages = [{"role": "user", "content": "Hi"}]
         for _ in range(2):  # two turns: the second continues the first
             body = {"model": spec.id, "messages": messages, "max_tokens": 3}
