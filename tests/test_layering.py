@@ -23,6 +23,7 @@ ABOVE_ENGINE = (
     "server.app",
     "server.settings",
     "server.metrics",
+    "server.wire",
 )
 RULES = {  # folder -> module prefixes it must not import
     "sessions": (*WEB, *ABOVE_ENGINE, "torch", "transformers", "safetensors", "server.engine", "server.kv"),

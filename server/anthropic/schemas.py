@@ -8,8 +8,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from server.openai.formats import FUNCTION_NAME, MAX_TOOLS
-from server.openai.schemas import SESSION_ID_PATTERN, Unused, WireModel, only_kinds, reject_unsupported
+from server.wire import FUNCTION_NAME, MAX_TOOLS, SESSION_ID_PATTERN, Unused, WireModel, only_kinds, reject_unsupported
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 UNSUPPORTED: dict[str, tuple[Any, ...]] = dict.fromkeys(

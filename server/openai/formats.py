@@ -11,9 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
-MAX_TOOLS = 128
-
+from server.wire import FUNCTION_NAME, MAX_TOOLS
 
 MAX_NUMBER_DIGITS = 4000  # below Python's int <-> str limit (4300): what `json.dumps` can write back
 

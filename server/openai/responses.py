@@ -7,8 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from server.openai.formats import FUNCTION_NAME, MAX_TOOLS
-from server.openai.schemas import SESSION_ID_PATTERN, Unused, WireModel, only_kinds, reject_unsupported
+from server.wire import FUNCTION_NAME, MAX_TOOLS, SESSION_ID_PATTERN, Unused, WireModel, only_kinds, reject_unsupported
 
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"
 ITEM_TYPES = ("message", "function_call", "function_call_output", "item_reference")

@@ -23,9 +23,9 @@ from server.errors import Refused
 from server.hosting import ModelHost
 from server.metrics import Metrics
 from server.openai.errors import ApiError
-from server.openai.schemas import SESSION_ID_PATTERN
 from server.serving.tool_reader import Reading
 from server.sessions.record import Session, SessionKey
+from server.wire import SESSION_ID_PATTERN
 
 log = logging.getLogger("kvserve.requests")
 SESSION_HEADER = "X-Session-ID"

@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Body, Depends, Path, Query, Response
 
 from server.http import deps
-from server.openai.schemas import SESSION_ID_PATTERN, SessionCreate, SessionFork, SessionRewind
+from server.openai.schemas import SessionCreate, SessionFork, SessionRewind
 from server.serving.sessions import MAX_LIST, Sessions
 from server.sessions.record import SessionKey
+from server.wire import SESSION_ID_PATTERN
 
 router = APIRouter(tags=["sessions"])
 SESSION_EXAMPLE = {
