@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from server.sessions.record import Usage
 
@@ -35,12 +35,12 @@ class Meta:
     def object(self) -> str:
         return "chat.completion" if self.is_chat else "text_completion"
 
-    def envelope(self, chunk: bool) -> dict:
+    def envelope(self, chunk: bool) -> dict[str, Any]:
         kind = self.object + (".chunk" if chunk and self.is_chat else "")
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage_dict(usage: Usage) -> dict:
+def usage_dict(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
@@ -49,12 +49,12 @@ def usage_dict(usage: Usage) -> dict:
     }
 
 
-def chat_logprobs(items: Sequence[TokenLogprob], token_text: TokenText) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
+def chat_logprobs(items: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    content = []
+    content: list[dict[str, Any]] = []
     for item in items:
         row = entry(item.token_id, item.logprob)
         row["top_logprobs"] = [entry(t, lp) for t, lp in item.top]
@@ -62,8 +62,9 @@ def chat_logprobs(items: Sequence[TokenLogprob], token_text: TokenText) -> dict:
     return {"content": content}
 
 
-def text_logprobs(items: Sequence[TokenLogprob], token_text: TokenText, offset: int) -> dict:
-    tokens, offsets = [], []
+def text_logprobs(items: Sequence[TokenLogprob], token_text: TokenText, offset: int) -> dict[str, Any]:
+    tokens: list[str] = []
+    offsets: list[int] = []
     for item in items:
         tokens.append(token_text(item.token_id))
         offsets.append(offset)
@@ -76,23 +77,30 @@ def text_logprobs(items: Sequence[TokenLogprob], token_text: TokenText, offset: 
     }
 
 
-def choice_logprobs(meta: Meta, items: Sequence[TokenLogprob] | None, token_text: TokenText, offset: int):
+def choice_logprobs(
+    meta: Meta, items: Sequence[TokenLogprob] | None, token_text: TokenText, offset: int
+) -> dict[str, Any] | None:
     if items is None:
         return None
     return chat_logprobs(items, token_text) if meta.is_chat else text_logprobs(items, token_text, offset)
 
 
-def finish_reason_of(finish_reason: str, calls: list[dict] | None) -> str:
+def finish_reason_of(finish_reason: str, calls: list[dict[str, Any]] | None) -> str:
     """A reply that called tools finished for that reason (OpenAI's), whatever ended its tokens."""
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
 def full_response(
-    meta: Meta, text: str, finish_reason: str, usage: Usage, logprobs, calls: list[dict] | None = None
-) -> dict:
-    choice: dict = {"index": 0, "finish_reason": finish_reason_of(finish_reason, calls), "logprobs": logprobs}
+    meta: Meta,
+    text: str,
+    finish_reason: str,
+    usage: Usage,
+    logprobs: dict[str, Any] | None,
+    calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason_of(finish_reason, calls), "logprobs": logprobs}
     if meta.is_chat:
-        message: dict = {"role": "assistant", "content": text or None if calls else text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text or None if calls else text, "refusal": None}
         if calls:
             message["tool_calls"] = calls
         choice["message"] = message
@@ -101,10 +109,16 @@ def full_response(
     return {**meta.envelope(chunk=False), "choices": [choice], "usage": usage_dict(usage)}
 
 
-def delta_chunk(meta: Meta, text: str | None, finish_reason: str | None = None, logprobs=None, role=False) -> dict:
-    choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+def delta_chunk(
+    meta: Meta,
+    text: str | None,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    role: bool = False,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
     if meta.is_chat:
-        delta: dict = {"role": "assistant"} if role else {}
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
         choice["delta"] = delta
@@ -113,9 +127,9 @@ def delta_chunk(meta: Meta, text: str | None, finish_reason: str | None = None, 
     return {**meta.envelope(chunk=True), "choices": [choice]}
 
 
-def tool_call_chunks(meta: Meta, calls: list[dict], first_index: int) -> list[dict]:
+def tool_call_chunks(meta: Meta, calls: list[dict[str, Any]], first_index: int) -> list[dict[str, Any]]:
     """OpenAI's streamed tool calls: per call, a delta naming it (id, name, empty arguments), then its arguments."""
-    out = []
+    out: list[dict[str, Any]] = []
     for index, call in enumerate(calls, first_index):
         head = {"index": index, "id": call["id"], "type": "function"}
         head["function"] = {"name": call["function"]["name"], "arguments": ""}
@@ -126,5 +140,5 @@ def tool_call_chunks(meta: Meta, calls: list[dict], first_index: int) -> list[di
     return out
 
 
-def usage_chunk(meta: Meta, usage: Usage) -> dict:
+def usage_chunk(meta: Meta, usage: Usage) -> dict[str, Any]:
     return {**meta.envelope(chunk=True), "choices": [], "usage": usage_dict(usage)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 MAX_MESSAGE_CHARS = 512
 MAX_PARAM_CHARS = 128
 RETRY_AFTER_S = 1
@@ -51,7 +53,7 @@ class ApiError(Exception):
         self.status, self.code, self.message, self.param = status, code, message, param
         self.headers = headers
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.status, self.code, self.message, self.param)
 
     @classmethod
@@ -62,7 +64,7 @@ class ApiError(Exception):
         return cls(status, code, message, param, headers)
 
 
-def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 3] + "..."
     if param is not None and len(param) > MAX_PARAM_CHARS:

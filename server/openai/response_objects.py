@@ -47,7 +47,7 @@ def function_call_item(response_id: str, index: int, call: dict[str, Any], statu
     }
 
 
-def output_items(response_id: str, text: str | None, calls: list[dict[str, Any]], status: str) -> list[dict]:
+def output_items(response_id: str, text: str | None, calls: list[dict[str, Any]], status: str) -> list[dict[str, Any]]:
     """The message (when there is text, or nothing else), then one item per call."""
     items = [message_item(response_id, status, text)] if text is not None and (text or not calls) else []
     return items + [function_call_item(response_id, i, call, status) for i, call in enumerate(calls)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -104,7 +104,7 @@ class CompletionRequest(SamplingFields):
     parallel_tool_calls: Unused = None
 
     @model_validator(mode="after")
-    def _one_prompt(self):
+    def _one_prompt(self) -> Self:
         prompt = self.prompt
         if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
             raise PydanticCustomError(
@@ -115,7 +115,7 @@ class CompletionRequest(SamplingFields):
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            return prompt[0]  # type: ignore[return-value]  # a one-item batch: its only prompt
+            return prompt[0]  # a one-item batch: its only prompt
         return prompt  # type: ignore[return-value]  # a string, or one list of token ids
 
 
@@ -166,7 +166,7 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
+    def _top_logprobs_needs_logprobs(self) -> Self:
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("value_error", "top_logprobs requires logprobs=true")
         return self
