@@ -28,7 +28,9 @@ from server.sessions.record import Session
 PLACEHOLDER = "kvserve-seen-message-{}"
 
 
-def render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: bool, tools: ToolUse | None = None) -> str:
+def render(
+    loaded: LoadedModel, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: ToolUse | None = None
+) -> str:
     tokenizer = loaded.tokenizer
     template = chat_template(tokenizer, tools)
     if not template:
@@ -38,11 +40,12 @@ def render(loaded: LoadedModel, messages: list[dict], add_generation_prompt: boo
         shown, definitions = control_text.mark(tokenizer, shown), control_text.mark(tokenizer, definitions)
     extra: dict[str, Any] = {"tools": definitions} if definitions else {}
     try:
-        return tokenizer.apply_chat_template(
+        text: str = tokenizer.apply_chat_template(
             shown, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
     except Exception as exc:  # template errors (e.g. roles that must alternate) are the caller's to fix
         raise ApiError(400, "invalid_parameter", f"chat template rejected the messages: {exc}", "messages") from exc
+    return text
 
 
 def tokenize(loaded: LoadedModel, text: str) -> list[int]:
@@ -52,7 +55,7 @@ def tokenize(loaded: LoadedModel, text: str) -> list[int]:
 
 
 def prompt_ids(
-    loaded: LoadedModel, messages: list[dict], session: Session | None, tools: ToolUse | None = None
+    loaded: LoadedModel, messages: list[dict[str, Any]], session: Session | None, tools: ToolUse | None = None
 ) -> list[int]:
     """The prompt for `messages`: the session's transcript + the new messages when they extend it. A conversation
     whose text cannot fit the context is refused first, never rendered."""
@@ -65,7 +68,7 @@ def prompt_ids(
 
 
 def continued_ids(
-    loaded: LoadedModel, messages: list[dict], session: Session, tools: ToolUse | None = None
+    loaded: LoadedModel, messages: list[dict[str, Any]], session: Session, tools: ToolUse | None = None
 ) -> list[int] | None:
     seen, transcript = session.messages, session.transcript_ids
     if not seen or not transcript or len(messages) <= len(seen) or messages[: len(seen)] != seen:
@@ -93,7 +96,7 @@ def _placeholder(message: dict[str, Any], index: int) -> dict[str, Any]:
 
 def _held_closing(
     loaded: LoadedModel,
-    placeholders: list[dict],
+    placeholders: list[dict[str, Any]],
     last: str,
     transcript: list[int],
     is_reply: bool,
@@ -109,5 +112,6 @@ def _held_closing(
         alone = render(loaded, placeholders, add_generation_prompt=False, tools=tools)
         return alone[alone.index(last) + len(last) :] if last in alone else "\0"  # "\0": no match, fall back
     if transcript[-1] in loaded.eos_ids:
-        return loaded.tokenizer.decode([transcript[-1]])
+        closing: str = loaded.tokenizer.decode([transcript[-1]])
+        return closing
     return ""

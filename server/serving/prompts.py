@@ -51,14 +51,14 @@ def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
     return _non_empty(ids, "prompt")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return [_message(m) for m in req.messages]
 
 
-def _message(message: ChatMessage) -> dict:
+def _message(message: ChatMessage) -> dict[str, Any]:
     """One normal form for a message, whoever sent it: a session's record of its reply and a client's echo of
     that reply compare equal (content "" for null; tool call arguments as compact JSON)."""
-    out: dict = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:

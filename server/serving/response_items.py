@@ -60,7 +60,8 @@ def _find(item_id: str, lookup: Lookup) -> dict[str, Any]:
             found = next((i for i in out if i["id"] == item_id), None)
     if found is None or found.get("type") == "item_reference":
         raise ApiError(400, "invalid_parameter", f"no stored item {item_id[:80]!r} to refer to", "input")
-    return found
+    item: dict[str, Any] = found
+    return item
 
 
 def messages_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -100,7 +100,9 @@ class Responses:
         view = self.store.view(key) if key is not None else None
         return view.extras if view is not None else None
 
-    def _messages(self, req: ResponseRequest, parent: Session | None, items: list[dict]) -> list[dict[str, Any]]:
+    def _messages(
+        self, req: ResponseRequest, parent: Session | None, items: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
         """Instructions apply to this response only; the conversation is the parent's plus the new input."""
         history = []
         if parent is not None:

@@ -52,7 +52,7 @@ class Tokens:
 def _as_chat(req: TokenizeRequest) -> ChatCompletionRequest:
     """The messages (and tools) checked exactly as chat completions checks them."""
     try:
-        return ChatCompletionRequest(model=req.model, messages=req.messages, tools=req.tools)  # type: ignore[arg-type]
+        return ChatCompletionRequest(model=req.model, messages=req.messages, tools=req.tools)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "messages"

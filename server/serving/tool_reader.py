@@ -7,10 +7,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.openai.formats import JSON
 from server.serving.tools import (
     CALL_CLOSE,
     CALL_OPEN,
-    JSON,
     PYTHON_TAG,
     ToolUse,
     assistant_message,

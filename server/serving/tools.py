@@ -238,7 +238,8 @@ def forced_arguments(schema: dict[str, Any]) -> dict[str, Any]:
     string that sets no bound of its own (`maxLength`, `pattern`, `format`, `enum`, `const`) gets
     `maxLength: MAX_FORCED_STRING`. A grammar otherwise lets a model add keys, or grow a string, until max_tokens
     (LangChain's pydantic tools say neither). A copy: the request's tools are left as they are."""
-    return _forced(schema)
+    forced: dict[str, Any] = _forced(schema)
+    return forced
 
 
 def _forced(node: Any, in_all_of: bool = False) -> Any:
