@@ -87,7 +87,11 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         args = ["serve", "--port", str(self.port), "--state-dir", str(state_dir)]
-        args += ["--model", str(model_dir)] if model_dir else []  # None: models/models.toml's, the default model
+        if model_dir:  # served under its directory's name, in fp32: `auto` times bf16 against fp32 for the tiny
+            # model, a coin flip at its size, and replicas compare their texts (in bf16 the cache may change one)
+            models = log_path.with_suffix(".models.toml")
+            models.write_text(f'[[models]]\nid = "{model_dir.name}"\nsource = "{model_dir}"\ndtype = "float32"\n')
+            args += ["--models-file", str(models)]  # else models/models.toml's, the default model
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
 
         def limits() -> None:
