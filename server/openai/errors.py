@@ -71,3 +71,9 @@ def error_body(status: int, code: str, message: str, param: str | None = None) -
         param = param[: MAX_PARAM_CHARS - 3] + "..."  # a field name can be as long as the body allows
     kind = TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def failure_body(code: str, message: str) -> tuple[dict[str, Any], int]:
+    """A turn that failed once admitted, as an error body and its status (a stream sends the body alone)."""
+    status = CODE_STATUS.get(code, 500)
+    return error_body(status, code, message), status

@@ -15,22 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 from typing import Any
 
 from fastapi import Request
+from starlette.responses import Response
 
 from server.anthropic.schemas import Conversation, CountTokensRequest, MessagesRequest, ToolResultBlock, ToolUseBlock
-from server.engine.request import SamplingParams
+from server.engine.request import Admitted, SamplingParams
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
-from server.serving import continuation, structured
-from server.serving.completions import event_stream
-from server.serving.core import Serving, answer_headers, session_key
-from server.serving.message_run import MessageRun
+from server.serving import continuation
+from server.serving.core import Serving, session_key
+from server.serving.pipeline import Placement, Renderer, Turn, run_turn
 from server.serving.prompts import check_text_size, output_budget
-from server.serving.tool_reader import Reading
+from server.serving.render.messages import MessageRenderer
+from server.serving.tool_reader import Reading, ToolReader
 from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, canonical_arguments
 from server.sessions.errors import SessionBusy, SessionError
 from server.sessions.record import Session, SessionKey
@@ -48,7 +48,7 @@ class Messages:
         ids = await asyncio.to_thread(continuation.prompt_ids, loaded, messages, None, tool_use_of(req))
         return {"input_tokens": len(ids)}
 
-    async def create(self, req: MessagesRequest, http: Request, tenant: str) -> Any:
+    async def create(self, req: MessagesRequest, http: Request, tenant: str) -> Response:
         serving, s = self.serving, self.serving.settings
         engine = serving.engine(req.model)
         loaded = engine.loaded
@@ -59,51 +59,40 @@ class Messages:
         check_text_size(loaded, [m["content"] for m in messages], "messages")
         tools = tool_use_of(req)
         reading = Reading.of(loaded.tokenizer, tools, "msg_" + uuid.uuid4().hex)
-
-        def prompt() -> tuple[list[int], int]:  # the prompt's ids and the cached prefix's length: one hop
-            ids = continuation.prompt_ids(loaded, messages, view, tools)
-            return ids, cached_prefix_len(loaded, req, messages, ends, tools)
-
-        ids, boundary = await asyncio.to_thread(prompt)
+        prefix = marked_prefix(req, messages, ends)  # the prompt up to the last breakpoint (None: none)
+        boundary = await asyncio.to_thread(prefix_len, loaded, prefix, tools) if prefix is not None else 0
         fmt = req.output_config.format if req.output_config is not None else None
-        schema = fmt.schema_ if fmt is not None else None
-        constraint = await structured.constraint(engine, schema, tools, reading.style, "output_config.format")
-        budget = output_budget(loaded, len(ids), req.max_tokens, s.default_max_tokens, s.max_tokens_limit)
-        params = SamplingParams(
-            max_tokens=budget, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or 0,
-            stop=list(req.stop_sequences or []),
+
+        def sampling(num_prompt: int) -> SamplingParams:
+            budget = output_budget(loaded, num_prompt, req.max_tokens, s.default_max_tokens, s.max_tokens_limit)
+            return SamplingParams(
+                max_tokens=budget, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or 0,
+                stop=list(req.stop_sequences or []),
+            )  # fmt: skip
+
+        async def place(num_tokens: int) -> Placement:
+            session = serving.session_for(key, num_tokens, engine)
+            named = session if session is not None and not session.is_bucket else None
+            # Made only now, every check passed (the store checks the session quota again, under its lock); a
+            # request the engine refuses takes it away again, so no empty leftover of it stays.
+            made = None
+            if named is not None and ttl is not None:
+                made = await serving.off_loop(self._create, named, engine.model_id, ttl)
+            return Placement(session, named, (lambda: self._discard(made)) if made is not None else None)
+
+        def renderer(admitted: Admitted, reader: ToolReader) -> Renderer:
+            num_marked = min(boundary, admitted.num_prompt)
+            return MessageRenderer(reading.request_id, engine.model_id, reader, num_marked, admitted, ttl)
+
+        turn = Turn(
+            engine, tenant, reading, key, messages, sampling, renderer, req.stream, base=view,
+            schema=fmt.schema_ if fmt is not None else None, schema_param="output_config.format", place=place,
         )  # fmt: skip
-        session = serving.session_for(key, len(ids) + budget, engine)
-        # Made only now, every check passed (the store checks the session quota again, under its lock); a
-        # request refused from here on takes it away again, so no empty leftover of it stays.
-        made = None
-        if session is not None and not session.is_bucket and ttl is not None:
-            made = await serving.off_loop(self._create, session, engine.model_id, ttl)
-        gen = serving.request(
-            reading=reading,
-            prompt_ids=ids,
-            params=params,
-            tenant=tenant,
-            session=session,
-            kv_source=session if session is not None and not session.is_bucket else None,
-            messages=messages,
-            constraint=constraint,
-        )
-        started = time.monotonic()
-        try:
-            handle, admitted = await serving.start(engine, gen, http)
-        except BaseException:
-            if made is not None:
-                with contextlib.suppress(SessionError):  # best effort: the refusal is what the client hears
-                    await serving.off_loop(self.store.discard_unused, made)
-            raise
-        reader = reading.reader()
-        run = MessageRun(reading.request_id, engine.model_id, reader, min(boundary, len(ids)), admitted, ttl)
-        headers = answer_headers(admitted, session)
-        events = serving.metrics.meter(handle, engine.model_id, started)
-        if req.stream:
-            return event_stream(run.events(handle, events), headers)
-        return await run.collect(handle, events, http, headers)
+        return await run_turn(serving, turn, http)
+
+    async def _discard(self, made: Session) -> None:
+        with contextlib.suppress(SessionError):  # best effort: the refusal is what the client hears
+            await self.serving.off_loop(self.store.discard_unused, made)
 
     def _create(self, key: SessionKey, model_id: str, ttl_s: float) -> Session | None:
         """The session `key`, made with the breakpoint's TTL; None when it exists already (it keeps its own)."""
@@ -155,19 +144,20 @@ def tool_use_of(req: Conversation) -> ToolUse | None:
     return ToolUse(specs, "required" if choice.type == "any" else "none", None, parallel)
 
 
-def cached_prefix_len(
-    loaded: LoadedModel, req: Conversation, messages: list[dict[str, Any]], ends: list[int], tools: ToolUse | None
-) -> int:
-    """Prompt tokens up to the last cache_control breakpoint (0: none), rendered as the prompt renders them."""
+def marked_prefix(req: Conversation, messages: list[dict[str, Any]], ends: list[int]) -> list[dict[str, Any]] | None:
+    """The messages up to the last cache_control breakpoint (None: no breakpoint)."""
     marked = [i for i, m in enumerate(req.messages) if not isinstance(m.content, str) and _has_mark(m.content)]
     if isinstance(req, MessagesRequest) and req.cache_control is not None:  # on the last block: all of it
         marked = [len(req.messages) - 1]
     if marked:
-        prefix = messages[: ends[marked[-1]]]
-    elif (isinstance(req.system, list) and _has_mark(req.system)) or any(t.cache_control for t in req.tools or []):
-        prefix = messages[:1] if req.system else []
-    else:
-        return 0
+        return messages[: ends[marked[-1]]]
+    if (isinstance(req.system, list) and _has_mark(req.system)) or any(t.cache_control for t in req.tools or []):
+        return messages[:1] if req.system else []
+    return None
+
+
+def prefix_len(loaded: LoadedModel, prefix: list[dict[str, Any]], tools: ToolUse | None) -> int:
+    """The prefix's prompt tokens, rendered as the prompt renders them."""
     try:
         return len(continuation.tokenize(loaded, continuation.render(loaded, prefix, False, tools)))
     except ApiError:  # a template that cannot render the prefix alone: nothing is claimed

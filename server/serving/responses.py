@@ -15,25 +15,25 @@ session's state once the turn is recorded, before the final event is sent.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import uuid
 from typing import Any
 
 from fastapi import Request
+from starlette.responses import Response
 
-from server.engine.request import SamplingParams
+from server.engine.request import Admitted, SamplingParams
 from server.openai.errors import ApiError
 from server.openai.response_objects import response_object
 from server.openai.responses import RESPONSE_ID_PATTERN, ResponseRequest
-from server.serving import continuation, structured
-from server.serving.completions import event_stream
-from server.serving.core import Serving, answer_headers, session_key
+from server.serving import structured
+from server.serving.core import Serving, session_key
+from server.serving.pipeline import Placement, Renderer, Turn, run_turn
 from server.serving.prompts import check_text_size, output_budget
+from server.serving.render.responses import KIND, ResponseRenderer, not_found, result
 from server.serving.response_items import messages_of, resolve, stored_items
-from server.serving.response_run import KIND, ResponseRun, not_found, result
-from server.serving.tool_reader import Reading
+from server.serving.tool_reader import Reading, ToolReader
 from server.serving.tools import responses_tool_use
 from server.sessions.record import CompletedTurn, Session, SessionKey
 from server.sessions.store import SessionStore
@@ -110,12 +110,11 @@ class Responses:
         own = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
         return own + history + messages_of(items)
 
-    async def create(self, req: ResponseRequest, http: Request, tenant: str) -> Any:
+    async def create(self, req: ResponseRequest, http: Request, tenant: str) -> Response:
         serving, s = self.serving, self.settings
         engine = serving.engine(req.model)
         named = session_key(req, http, tenant)
         session = named if named is not None and not named.is_bucket else None  # the turn runs there
-        bucket = named if named is not None and named.is_bucket else None  # only a cache key
         parent = await self._parent(req, tenant, engine.model_id)
         response_id = "resp_" + uuid.uuid4().hex
         items = stored_items(response_id, req)
@@ -125,56 +124,47 @@ class Responses:
         tools = responses_tool_use(req)
         reading = Reading.of(engine.loaded.tokenizer, tools, response_id)
         base = await serving.session_view(session, engine) if session is not None else parent
-        prompt_ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, messages, base, tools)
         fmt = req.text.format if req.text is not None else None
-        schema = structured.schema_of(fmt.type, fmt.schema_) if fmt is not None else None
-        constraint = await structured.constraint(engine, schema, tools, reading.style, "text.format")
-        budget = output_budget(
-            engine.loaded, len(prompt_ids), req.max_output_tokens, s.default_max_tokens, s.max_tokens_limit
-        )
         record = request_fields(req, items)
-        key = SessionKey(tenant, response_id, KIND) if req.store else None
-        if key is not None:
-            serving.check_quota(key, len(prompt_ids) + budget, engine)  # before the record exists
-        if key is not None and session is None:  # the record is the engine's session: it records the turn
-            create = self.store.create
+        key = SessionKey(tenant, response_id, KIND) if req.store else None  # the stored response's record
+
+        def sampling(num_prompt: int) -> SamplingParams:
+            budget = output_budget(
+                engine.loaded, num_prompt, req.max_output_tokens, s.default_max_tokens, s.max_tokens_limit
+            )
+            return SamplingParams(max_tokens=budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+
+        async def place(num_tokens: int) -> Placement:
+            if key is not None:
+                serving.check_quota(key, num_tokens, engine)  # before the record exists
+            if session is not None:
+                return Placement(serving.session_for(session, num_tokens, engine), session)
+            kv_source = parent.key if parent is not None else None
+            if key is None:
+                return Placement(serving.session_for(named, num_tokens, engine), kv_source)
+            # The record is the engine's session: it records the turn; a request the engine refuses leaves none
             ttl = s.response_retention_s
             await serving.off_loop(
-                create, key, engine.model_id, ttl, parent=req.previous_response_id, extras=dict(record)
+                self.store.create, key, engine.model_id, ttl, parent=req.previous_response_id, extras=dict(record)
             )
-        kv_source: SessionKey | None = session
-        if session is not None:
-            runs_on = serving.session_for(session, len(prompt_ids) + budget, engine)
-        else:
-            runs_on = key or serving.session_for(bucket, len(prompt_ids) + budget, engine)
-            kv_source = parent.key if parent is not None else None
-        gen = serving.request(
-            reading=reading,
-            prompt_ids=prompt_ids,
-            params=SamplingParams(max_tokens=budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed),
-            tenant=tenant,
-            session=runs_on,
-            kv_source=kv_source,
-            use_cache=req.cache_prompt,
-            messages=messages,
-            constraint=constraint,
-        )
-        started = time.monotonic()
-        try:
-            handle, admitted = await serving.start(engine, gen, http)
-        except BaseException:
-            if key is not None and session is None:
-                self.store.delete(key)
-            raise
-        parent_id, retention = req.previous_response_id, s.response_retention_s
-        run = ResponseRun(
-            response_id, engine.model_id, record, parent_id, serving, reading.reader(), key, session, retention
-        )
-        headers = answer_headers(admitted, session)
-        events = serving.metrics.meter(handle, engine.model_id, started)
-        if req.stream:
-            return event_stream(run.events(handle, events), headers)
-        return await run.collect(handle, events, http, headers)
+
+            async def undo() -> None:
+                await serving.off_loop(self.store.delete, key)
+
+            return Placement(key, kv_source, undo)
+
+        def renderer(admitted: Admitted, reader: ToolReader) -> Renderer:
+            parent_id, retention = req.previous_response_id, s.response_retention_s
+            return ResponseRenderer(
+                response_id, engine.model_id, record, parent_id, serving, reader, key, session, retention
+            )
+
+        turn = Turn(
+            engine, tenant, reading, named, messages, sampling, renderer, req.stream, base=base,
+            schema=structured.schema_of(fmt.type, fmt.schema_) if fmt is not None else None,
+            schema_param="text.format", use_cache=req.cache_prompt, place=place,
+        )  # fmt: skip
+        return await run_turn(serving, turn, http)
 
     def get(self, response_id: str, tenant: str) -> dict[str, Any]:
         key = _stored_key(tenant, response_id)

@@ -151,6 +151,18 @@ def test_a_refused_request_leaves_no_session_behind(guarded):
     assert info["expires_at"] - info["last_used_at"] == pytest.approx(3600, abs=2)  # the breakpoint's ttl
 
 
+def test_a_response_the_engine_refuses_leaves_no_stored_response(guarded):
+    # The record of a stored response is made before the engine sees the turn; refused at submit (a prompt the
+    # pool cannot hold), it is taken away again: nothing to fetch, nothing to continue from.
+    body = {"model": "tiny", "input": "Hello world " * 250, "max_output_tokens": 1, "store": True}
+    r = guarded.post("/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    assert store(guarded).counts().get("response", 0) == 0
+    kept = guarded.post("/v1/responses", json={**body, "input": "Hello"})
+    assert kept.status_code == 200, kept.text
+    assert store(guarded).counts().get("response", 0) == 1
+
+
 def test_the_session_quota_counts_sessions_made_by_messages(guarded):
     mark = {"cache_control": {"type": "ephemeral"}}
     short = [{"role": "user", "content": "Hello"}]

@@ -7,7 +7,7 @@ import json
 import jiter
 
 from server.anthropic.answers import tool_input
-from server.serving.message_run import _BlockStream
+from server.serving.render.messages import BlockStream
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
 
@@ -22,7 +22,7 @@ def kinds(events) -> list[tuple[str, str]]:
 
 
 def test_whitespace_then_a_call_streams_only_the_call():
-    blocks = _BlockStream()
+    blocks = BlockStream()
     events = blocks.text("\n") + blocks.calls([CALL]) + blocks.text("", last=True) + blocks.close()
     assert kinds(events) == [
         ("content_block_start", "tool_use"),
@@ -32,7 +32,7 @@ def test_whitespace_then_a_call_streams_only_the_call():
 
 
 def test_text_then_a_call_streams_both_in_order():
-    blocks = _BlockStream()
+    blocks = BlockStream()
     events = blocks.text("Let me look.") + blocks.calls([CALL]) + blocks.close()
     assert [k for k, _ in kinds(events)].count("content_block_start") == 2
     assert kinds(events)[0] == ("content_block_start", "text")
@@ -54,6 +54,6 @@ def test_a_cut_calls_input_is_what_anthropics_client_reads_of_it():
 
 def test_a_cut_call_streams_its_input_so_far():
     cut = {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": '{"a":1,"b":"unfinis'}}
-    events = [json.loads(sse.data) for sse in _BlockStream().calls([cut])]
+    events = [json.loads(sse.data) for sse in BlockStream().calls([cut])]
     assert events[0]["content_block"] == {"type": "tool_use", "id": "call_2", "name": "f", "input": {}}
     assert json.loads(events[1]["delta"]["partial_json"]) == {"a": 1} == tool_input(cut["function"]["arguments"])

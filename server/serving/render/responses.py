@@ -1,22 +1,17 @@
-"""One response being generated: collected into the Response object, or streamed as Responses API events."""
+"""The Responses API on the wire: the Response object, or its stream of events; a stored response's record."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
 from sse_starlette import ServerSentEvent
 
-from server.engine.handle import RequestHandle
-from server.engine.request import Event, Failed, Finished, TextDelta
-from server.openai.errors import CODE_STATUS, ApiError
+from server.engine.request import Failed, Finished, TextDelta, TokenLogprob
+from server.openai.errors import ApiError
 from server.openai.response_objects import call_item_id, function_call_item, message_id, message_item, response_object
-from server.serving.answers import failure
-from server.serving.core import Serving, cancel_on_disconnect
+from server.serving.core import Serving
+from server.serving.pipeline import Renderer
 from server.serving.tool_reader import LeadingBlank, ToolReader
 from server.sessions.record import SessionKey, Turn, Usage
 
@@ -40,7 +35,7 @@ def result(finish_reason: str, text: str, usage: Usage, calls: list[dict[str, An
     }
 
 
-class ResponseRun:
+class ResponseRenderer(Renderer):
     def __init__(
         self,
         response_id: str,
@@ -61,6 +56,7 @@ class ResponseRun:
         self.retention_s = retention_s
         self.sequence_number = 0
         self.is_finished = False
+        self.items = ItemStream(self)
 
     def _object(self, **state: Any) -> dict[str, Any]:
         return response_object(self.response_id, self.model, {**self.record, **state}, self.parent)
@@ -85,68 +81,47 @@ class ResponseRun:
         extras = {**self.record, **done}
         self.store.create(self.stored, self.model, self.retention_s, parent=self.parent, extras=extras, **fields)
 
-    def _forget_unfinished(self) -> None:
-        if self.stored is not None and self.session is None and not self.is_finished:
-            self.store.delete(self.stored)  # nothing to continue from: a failed or abandoned response is not kept
+    async def body(self, finished: Finished, text: str, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        self.reader.read_all(text)
+        return await self._finished(finished)
 
-    async def collect(
-        self, handle: RequestHandle, events: AsyncIterator[Event], http: Request, headers: dict[str, str]
-    ) -> JSONResponse:
-        parts = []
-        watcher = asyncio.create_task(cancel_on_disconnect(http, handle))
-        try:
-            async for event in events:
-                if isinstance(event, TextDelta):
-                    parts.append(event.text)
-                elif isinstance(event, Finished):
-                    self.reader.read_all("".join(parts))
-                    return JSONResponse(await self._finished(event), headers=headers)
-                elif isinstance(event, Failed):
-                    return JSONResponse(failure(event), CODE_STATUS.get(event.code, 500), headers=headers)
-        finally:
-            watcher.cancel()
-            handle.cancel()
-            self._forget_unfinished()
-        raise ApiError(500, "internal_error", "generation ended without a result")
-
-    def _event(self, kind: str, **fields: Any) -> ServerSentEvent:
+    def event(self, kind: str, **fields: Any) -> ServerSentEvent:
         data = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
         return ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event=kind, sep="\n")
 
-    async def events(self, handle: RequestHandle, events: AsyncIterator[Event]) -> AsyncIterator[ServerSentEvent]:
-        stream = _ItemStream(self)
-        try:
-            yield self._event("response.created", response=self._object())
-            yield self._event("response.in_progress", response=self._object())
-            if not self.reader.reads_calls:
-                for sse in stream.open_message():
-                    yield sse
-            async for event in events:
-                if isinstance(event, TextDelta) and event.text:
-                    text, calls = self.reader.feed(event.text)
-                    for sse in stream.text(text) + stream.calls(calls):
-                        yield sse
-                elif isinstance(event, Finished):
-                    text, calls = self.reader.finish()
-                    done = stream.text(text, last=True) + stream.calls(calls, self.reader.is_cut) + stream.close()
-                    for sse in done:
-                        yield sse
-                    final = await self._finished(event)
-                    yield self._event(f"response.{final['status']}", response=final)
-                elif isinstance(event, Failed):
-                    error = {"code": event.code, "message": event.message}
-                    yield self._event("response.failed", response=self._object(status="failed", error=error))
-        finally:
-            handle.cancel()
-            self._forget_unfinished()
+    def opening(self) -> list[ServerSentEvent]:
+        out = [self.event("response.created", response=self._object())]
+        out.append(self.event("response.in_progress", response=self._object()))
+        return out if self.reader.reads_calls else out + self.items.open_message()
+
+    def delta(self, event: TextDelta) -> list[ServerSentEvent]:
+        if not event.text:
+            return []
+        text, calls = self.reader.feed(event.text)
+        return self.items.text(text) + self.items.calls(calls)
+
+    async def finished(self, event: Finished) -> list[ServerSentEvent]:
+        items = self.items
+        text, calls = self.reader.finish()
+        out = items.text(text, last=True) + items.calls(calls, self.reader.is_cut) + items.close()
+        final = await self._finished(event)
+        return [*out, self.event(f"response.{final['status']}", response=final)]
+
+    def failed(self, event: Failed) -> list[ServerSentEvent]:
+        error = {"code": event.code, "message": event.message}
+        return [self.event("response.failed", response=self._object(status="failed", error=error))]
+
+    def close(self) -> None:
+        if self.stored is not None and self.session is None and not self.is_finished:
+            self.store.delete(self.stored)  # nothing to continue from: a failed or abandoned response is not kept
 
 
-class _ItemStream:
+class ItemStream:
     """The output items' events, in output order: the message (opened on its first visible text, closed before
     the first call), then each call."""
 
-    def __init__(self, run: ResponseRun) -> None:
+    def __init__(self, run: ResponseRenderer) -> None:
         self.run = run
         self.sent = ""  # the message's text so far
         self.is_open = self.is_closed = False
@@ -159,8 +134,8 @@ class _ItemStream:
     def open_message(self) -> list[ServerSentEvent]:
         self.is_open = True
         item = message_item(self.run.response_id, "in_progress", None)
-        added = self.run._event("response.output_item.added", output_index=0, item=item)
-        return [added, self.run._event("response.content_part.added", **self._where(), part=EMPTY_PART)]
+        added = self.run.event("response.output_item.added", output_index=0, item=item)
+        return [added, self.run.event("response.content_part.added", **self._where(), part=EMPTY_PART)]
 
     def text(self, text: str, last: bool = False) -> list[ServerSentEvent]:
         text = self._blank.take(text, self.is_open, last, self.num_calls)
@@ -168,7 +143,7 @@ class _ItemStream:
             return []
         out = [] if self.is_open else self.open_message()
         self.sent += text
-        return [*out, self.run._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
+        return [*out, self.run.event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
 
     def close(self) -> list[ServerSentEvent]:
         """The message's closing events (an empty message when the reply has neither text nor calls)."""
@@ -177,10 +152,10 @@ class _ItemStream:
             return out
         self.is_closed = True
         where, text = self._where(), self.sent
-        out.append(self.run._event("response.output_text.done", **where, text=text, logprobs=[]))
-        out.append(self.run._event("response.content_part.done", **where, part={**EMPTY_PART, "text": text}))
+        out.append(self.run.event("response.output_text.done", **where, text=text, logprobs=[]))
+        out.append(self.run.event("response.content_part.done", **where, part={**EMPTY_PART, "text": text}))
         item = message_item(self.run.response_id, "completed", text)
-        out.append(self.run._event("response.output_item.done", output_index=0, item=item))
+        out.append(self.run.event("response.output_item.done", output_index=0, item=item))
         return out
 
     def calls(self, calls: list[dict[str, Any]], is_cut: bool = False) -> list[ServerSentEvent]:
@@ -194,9 +169,9 @@ class _ItemStream:
             where = {"item_id": call_item_id(run.response_id, index), "output_index": position}
             arguments = call["function"]["arguments"]
             added = {**function_call_item(run.response_id, index, call, "in_progress"), "arguments": ""}
-            out.append(run._event("response.output_item.added", output_index=position, item=added))
-            out.append(run._event("response.function_call_arguments.delta", **where, delta=arguments))
-            out.append(run._event("response.function_call_arguments.done", **where, arguments=arguments))
+            out.append(run.event("response.output_item.added", output_index=position, item=added))
+            out.append(run.event("response.function_call_arguments.delta", **where, delta=arguments))
+            out.append(run.event("response.function_call_arguments.done", **where, arguments=arguments))
             done = function_call_item(run.response_id, index, call, status)
-            out.append(run._event("response.output_item.done", output_index=position, item=done))
+            out.append(run.event("response.output_item.done", output_index=position, item=done))
         return out
