@@ -144,7 +144,9 @@ class EngineLoop:
     def _step(self) -> None:
         self.offloader.discard_forgotten()
         self._drop_ended()
-        admissions = self.scheduler.admit()
+        plan = self.scheduler.admit()
+        self.offloader.spill(plan.num_short)  # before any reserved block is allocated: allocating evicts
+        admissions = plan.admissions
         for admission in admissions:
             self._start(admission)
         self._start_loads()

@@ -1,7 +1,8 @@
 """Moving sessions' K/V between the paged pool and the host/disk tiers (on the engine thread).
 
 Down: the blocks holding a transcript's prefix are gathered into per-layer tensors
-[kv_heads, tokens, head_dim] on the host (pinned, asynchronous on CUDA). Up: a snapshot's
+[kv_heads, tokens, head_dim] on the host (pinned, asynchronous on CUDA), as many as admission
+says its reservations take beyond the free blocks, before they are allocated. Up: a snapshot's
 tokens are written into blocks from the request's reservation and published under their
 prefix hashes, so the request that restored them, and any later one, finds them like
 computed blocks.
@@ -85,9 +86,10 @@ class Offloader:
             ready.record()
         return Snapshot(key, self.model_id, self.fingerprint, list(token_ids[:num_tokens]), k, v, ready=ready)
 
-    def spill(self, num_needed: int) -> None:
-        """Before the pool evicts cached blocks, copy idle sessions' K/V down a tier, least recently used first."""
-        deficit = num_needed - (self.manager.num_free - self.manager.num_reserved)
+    def spill(self, num_short: int) -> None:
+        """Before the pool evicts cached blocks (`num_short`: how many reserved blocks the free ones lack), copy
+        idle sessions' K/V down a tier, least recently used first, until those copied hold that many idle blocks."""
+        deficit = num_short
         if deficit <= 0 or not self.tiers.is_enabled:
             return
         for key, token_ids in self.store.idle_transcripts(self.model_id):
