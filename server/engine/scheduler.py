@@ -230,6 +230,29 @@ class Scheduler:
             self.allocate(row.seq, row.seq.num_computed + len(row.token_ids))
         return rows
 
+    # -- reused K/V: the blocks it is written into ----------------------------------------------
+    def blocks_to_fill(self, admission: Admission) -> list[Block]:
+        """The new blocks (from the reservation, after `shared`) the admission's reused K/V is written into: a
+        snapshot's tokens, or the partially matching block's slots."""
+        seq = admission.seq
+        self.allocate(seq, admission.num_cached)
+        return seq.blocks[len(admission.shared) :]
+
+    def publish_filled(self, admission: Admission) -> None:
+        """The reused K/V is in the blocks `blocks_to_fill` gave: the sequence holds it; publish those blocks."""
+        admission.seq.num_computed = admission.num_cached
+        self.publish(admission.seq, len(admission.shared))
+
+    def unfill(self, admission: Admission) -> None:
+        """Writing a snapshot failed: its blocks go back to the reservation, their contents forgotten (nothing was
+        published, so no one can see them)."""
+        seq, num_shared = admission.seq, len(admission.shared)
+        filled = seq.blocks[num_shared:]
+        del seq.blocks[num_shared:]
+        self.manager.release(filled, keep_contents=False)
+        self.manager.reserve(len(filled))
+        seq.num_reserved += len(filled)
+
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Blocks (from the reservation) until the sequence's blocks hold `num_tokens` slots."""
         while len(seq.blocks) * self.config.block_size < num_tokens:
