@@ -1,7 +1,9 @@
 """The engine loop, on the engine thread: a step is schedule, run, post-process, finish.
 
 It owns the scheduler, the model runner and the block bookkeeping; other threads reach it only
-through its inbox (requests, questions, wake-ups) and read only the stats it publishes.
+through its inbox (requests, questions, wake-ups) and read only the stats it publishes. The
+scheduler decides; the loop carries its decisions out: it has idle sessions copied down a tier,
+the runner write reused K/V, the scheduler book it, and tells each client.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from server.engine.sampler import batch_greedy, batch_sample
 from server.engine.scheduler import Admission, Row, Scheduler
 from server.engine.sequence import Sequence, SequenceStatus
 from server.engine.threads import use_compute_threads
-from server.kv import offload
 from server.kv.blocks import BlockManager
 from server.kv.offload import Offloader
 from server.models.loader import LoadedModel
@@ -144,7 +145,9 @@ class EngineLoop:
     def _step(self) -> None:
         self.offloader.discard_forgotten()
         self._drop_ended()
-        admissions = self.scheduler.admit()
+        plan = self.scheduler.admit()
+        self.offloader.spill(plan.num_short)  # before any reserved block is allocated: allocating evicts
+        admissions = plan.admissions
         for admission in admissions:
             self._start(admission)
         self._start_loads()
@@ -184,18 +187,19 @@ class EngineLoop:
         if admission.load is not None:
             return  # `_start_loads` reads the snapshot
         num_cached, source = admission.num_cached, admission.source
-        pool = self.runner.pool
         try:
             if admission.restore is not None:
-                shared = list(admission.shared)
-                restored = offload.restore(pool, self.blocks, seq.salt, shared, admission.restore, num_cached)
-                seq.blocks += restored
-                seq.num_reserved -= len(restored)
+                blocks, first = self.scheduler.blocks_to_fill(admission), len(admission.shared) * bs
+                try:
+                    self.runner.write_snapshot([b.block_id for b in blocks], admission.restore, first, num_cached)
+                except BaseException:
+                    self.scheduler.unfill(admission)  # nothing was published: back to the reservation
+                    raise
+                self.scheduler.publish_filled(admission)
             elif admission.partial is not None:
-                self.scheduler.allocate(seq, num_cached)
-                pool.copy_slots(admission.partial.block_id, seq.blocks[-1].block_id, admission.num_partial)
-                seq.num_computed = num_cached
-                self.scheduler.publish(seq, len(seq.blocks) - 1)
+                blocks = self.scheduler.blocks_to_fill(admission)
+                self.runner.copy_slots(admission.partial.block_id, blocks[-1].block_id, admission.num_partial)
+                self.scheduler.publish_filled(admission)
         except Exception:  # e.g. out of memory: compute what the snapshot would have given
             log.exception("request %s: restoring K/V from a snapshot failed", seq.request.request_id)
             num_cached = len(admission.shared) * bs

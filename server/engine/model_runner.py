@@ -1,5 +1,8 @@
 """The model runner: the model, its K/V pool, and one packed forward pass per step.
 
+It owns the pool's tensors: a step's forward pass writes the new tokens' K/V, and at admission it
+writes reused K/V into the blocks the scheduler gives (a snapshot's tokens, a partial block's copy).
+
 The rows of a step are laid out as one packed row ([1, T]): input ids, positions, the pool
 slot each new token's K/V goes to, and per sequence where its queries sit in the row and
 where its context sits in the pool. transformers hands that metadata (a forward kwarg) to the
@@ -17,7 +20,7 @@ import torch
 
 from server.engine.compiled import CompiledModel
 from server.engine.scheduler import Row
-from server.kv import kernels
+from server.kv import kernels, offload
 from server.kv.attention import (
     DecodeRows,
     PrefillRows,
@@ -32,6 +35,7 @@ from server.kv.blocks import Block
 from server.kv.head_layouts import HeadLayouts
 from server.kv.pool import KVLayout, KVPool
 from server.kv.routing import HEAD, KERNEL, SDPA, LoneRowRoute, time_lone_row, time_prefill
+from server.kv.snapshot import Snapshot
 from server.models.digest import ModelDigests
 from server.models.loader import LoadedModel
 
@@ -116,6 +120,14 @@ class ModelRunner:
                 logits = out.logits[0]
         self._count(rows)
         return logits
+
+    def write_snapshot(self, block_ids: list[int], snapshot: Snapshot, first: int, num_tokens: int) -> None:
+        """The snapshot's tokens `first`..`num_tokens`-1 into these blocks (once its copy to the host landed)."""
+        offload.restore(self.pool, block_ids, snapshot, first, num_tokens)
+
+    def copy_slots(self, src_block: int, dst_block: int, num_slots: int) -> None:
+        """A prompt diverging inside a cached block: its new block starts as a copy of the matching slots."""
+        self.pool.copy_slots(src_block, dst_block, num_slots)
 
     def rest(self) -> None:
         """No rows this step (the engine waits for work): the heads' kept layouts are not needed, their memory goes."""

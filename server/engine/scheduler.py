@@ -1,12 +1,18 @@
 """The scheduler: who waits, who runs, what each admitted sequence reuses, and what one step computes.
 
+It decides and returns data; the loop carries its decisions out and the model runner does the tensor
+work. It holds the block books (reservations, pins, which blocks a sequence holds, what is published)
+and reads the tiers below the pool through a narrow view (`LowerTiers`): no model, no pool, no copies.
+
 Admission is first come, first served, by block reservation: a sequence starts only when the
 blocks for its prompt and max_tokens (less the shared ones it reuses) can be promised, so a
 running stream is never preempted. One exception: a prompt whose prefix a running prefill of the
 same tenant is computing waits for its blocks (those behind it may go meanwhile), then shares them.
 At admission it decides, once, where the prompt's K/V comes from: blocks already in the pool
 (shared whole, or a partial block copied), a host or disk snapshot (read first, off the engine
-thread: the sequence is LOADING meanwhile), or nothing (computed). A step is one decode token for
+thread: the sequence is LOADING meanwhile), or nothing (computed). It also says how many blocks
+the pass reserved beyond the free ones: idle sessions holding that many go down a tier before any
+of them is allocated (allocating is what evicts cached blocks). A step is one decode token for
 every prefilled sequence, then prefill chunks of the others up to the token budget, so a long
 prompt never stalls running streams.
 """
@@ -17,11 +23,11 @@ import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from server.engine.config import EngineConfig
 from server.engine.sequence import Sequence, SequenceStatus
 from server.kv.blocks import Block, BlockManager, Match
-from server.kv.offload import Offloader
 from server.kv.snapshot import Snapshot
 from server.sessions.record import SessionKey, common_prefix_len
 
@@ -30,9 +36,18 @@ MIN_PREFILL_CHUNK = 16  # however many streams decode, admitted prompts keep mov
 MIN_SHARED_BLOCKS = 2  # a prompt waits for a running prefill computing at least this many of its blocks
 
 
+class LowerTiers(Protocol):
+    """What admission reads of the tiers below the pool (the `Offloader` answers it)."""
+
+    @property
+    def fingerprint(self) -> str: ...  # the pool's K/V fingerprint: a snapshot with another one does not fit
+
+    def can_restore(self, key: SessionKey, num_in_pool: int) -> bool: ...
+
+
 @dataclass(slots=True, frozen=True)
 class Admission:
-    """How one sequence starts; the engine carries it out (the tensor work) and tells the client."""
+    """How one sequence starts; the loop carries it out (the runner writes reused K/V) and tells the client."""
 
     seq: Sequence
     load: SessionKey | None = None  # read this session's snapshot first (the sequence is LOADING)
@@ -56,6 +71,16 @@ class Admission:
 
 
 @dataclass(slots=True, frozen=True)
+class AdmissionPlan:
+    """One admission pass: who starts, and how many blocks its reservations took beyond the free ones."""
+
+    admissions: list[Admission]
+    # The largest shortfall of the pass (the first sequence refused included): allocating the reserved blocks
+    # may evict this many cached ones, so idle sessions holding that many are copied down a tier first.
+    num_short: int = 0
+
+
+@dataclass(slots=True, frozen=True)
 class Row:
     """One sequence's part of a step's packed row."""
 
@@ -65,8 +90,8 @@ class Row:
 
 
 class Scheduler:
-    def __init__(self, manager: BlockManager, config: EngineConfig, offloader: Offloader) -> None:
-        self.manager, self.config, self.offloader = manager, config, offloader
+    def __init__(self, manager: BlockManager, config: EngineConfig, tiers: LowerTiers) -> None:
+        self.manager, self.config, self.tiers = manager, config, tiers
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []
@@ -83,20 +108,21 @@ class Scheduler:
         return [*self.running, *self.waiting, *self.loading]
 
     # -- admission ------------------------------------------------------------------------
-    def admit(self) -> list[Admission]:
+    def admit(self) -> AdmissionPlan:
         """Admit from the head of the queue while blocks can be reserved; loads leave the queue meanwhile."""
         loaded = [s for s in self.loading if s.loading is not None and s.loading.done()]
         for seq in loaded:
             self.loading.remove(seq)
             seq.snapshot, seq.loading, seq.status = _result(seq), None, SequenceStatus.WAITING
         self.waiting.extendleft(reversed(loaded))  # back at the head, in their order of arrival
-        admitted = []
+        admitted, num_short = [], 0
         for seq in list(self.waiting):
             # Asked only of a prompt that may be admitted, or that shares blocks a leader has not computed yet
             match = functools.cache(functools.partial(self._match, seq))
             if self._awaits_leader(seq, match):
                 continue  # stays in the queue; those behind it may go
-            admission = self._plan(seq, match())
+            admission, short = self._plan(seq, match())
+            num_short = max(num_short, short)
             if admission is None:
                 break
             self.waiting.remove(seq)
@@ -107,7 +133,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
             admitted.append(admission)
-        return admitted
+        return AdmissionPlan(admitted, num_short)
 
     def _match(self, seq: Sequence) -> Match | None:
         """What the pool holds of the prompt, all but its last token (computed anyway, for its logits)."""
@@ -140,14 +166,14 @@ class Scheduler:
                 return True
         return False
 
-    def _plan(self, seq: Sequence, match: Match | None) -> Admission | None:
+    def _plan(self, seq: Sequence, match: Match | None) -> tuple[Admission | None, int]:
         """The sequence's admission (`match`: what the pool holds of its prompt), or None when its blocks cannot be
-        reserved yet."""
+        reserved yet; and how many blocks its reservation asks for beyond the free ones not yet promised."""
         bs = self.config.block_size
         num_in_pool = match.num_tokens if match else 0
         source = seq.request.kv_source
         if source is not None and seq.use_cache and not seq.has_looked_down and self._holds_more(source, num_in_pool):
-            return Admission(seq, load=source)  # reserves nothing until the snapshot is read
+            return Admission(seq, load=source), 0  # reserves nothing until the snapshot is read
         shared = list(match.shared) if match else []
         num_restore = self._restorable(seq, num_in_pool)
         if num_restore:
@@ -157,29 +183,29 @@ class Scheduler:
         partial = match.partial if match is not None and not num_restore else None
         pinned = shared + ([partial] if partial is not None else [])
         need = -(-seq.max_len // bs) - len(shared)
-        self.offloader.spill(need)
+        short = need - (self.manager.num_free - self.manager.num_reserved)  # asked before it may be refused
         if not self.manager.can_reserve(need, pinned):
-            return None
+            return None, short
         self.manager.reserve(need)
         self.manager.pin(pinned)
         seq.blocks, seq.num_reserved, seq.copy_source = list(shared), need, partial
         if num_restore:
             assert seq.snapshot is not None
-            return Admission(seq, shared=tuple(shared), restore=seq.snapshot, num_restore=num_restore)
+            return Admission(seq, shared=tuple(shared), restore=seq.snapshot, num_restore=num_restore), short
         if partial is not None:
             assert match is not None
-            return Admission(seq, shared=tuple(shared), partial=partial, num_partial=match.num_partial)
-        return Admission(seq, shared=tuple(shared))
+            return Admission(seq, shared=tuple(shared), partial=partial, num_partial=match.num_partial), short
+        return Admission(seq, shared=tuple(shared)), short
 
     def _holds_more(self, source: SessionKey, num_in_pool: int) -> bool:
         """A host or disk snapshot of `source`, or the shared tier, may hold more tokens than the pool matched
         (read it to see)."""
-        return self.offloader.can_restore(source, num_in_pool)
+        return self.tiers.can_restore(source, num_in_pool)
 
     def _restorable(self, seq: Sequence, num_in_pool: int) -> int:
         """Prompt tokens the sequence's snapshot holds beyond what the pool does (0: use the pool)."""
         snapshot = seq.snapshot
-        if snapshot is None or not seq.use_cache or snapshot.fingerprint != self.offloader.fingerprint:
+        if snapshot is None or not seq.use_cache or snapshot.fingerprint != self.tiers.fingerprint:
             return 0
         prompt = seq.request.prompt_ids
         num_tokens = min(common_prefix_len(snapshot.token_ids, prompt), len(prompt) - 1)
@@ -203,6 +229,29 @@ class Scheduler:
         for row in rows:
             self.allocate(row.seq, row.seq.num_computed + len(row.token_ids))
         return rows
+
+    # -- reused K/V: the blocks it is written into ----------------------------------------------
+    def blocks_to_fill(self, admission: Admission) -> list[Block]:
+        """The new blocks (from the reservation, after `shared`) the admission's reused K/V is written into: a
+        snapshot's tokens, or the partially matching block's slots."""
+        seq = admission.seq
+        self.allocate(seq, admission.num_cached)
+        return seq.blocks[len(admission.shared) :]
+
+    def publish_filled(self, admission: Admission) -> None:
+        """The reused K/V is in the blocks `blocks_to_fill` gave: the sequence holds it; publish those blocks."""
+        admission.seq.num_computed = admission.num_cached
+        self.publish(admission.seq, len(admission.shared))
+
+    def unfill(self, admission: Admission) -> None:
+        """Writing a snapshot failed: its blocks go back to the reservation, their contents forgotten (nothing was
+        published, so no one can see them)."""
+        seq, num_shared = admission.seq, len(admission.shared)
+        filled = seq.blocks[num_shared:]
+        del seq.blocks[num_shared:]
+        self.manager.release(filled, keep_contents=False)
+        self.manager.reserve(len(filled))
+        seq.num_reserved += len(filled)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Blocks (from the reservation) until the sequence's blocks hold `num_tokens` slots."""

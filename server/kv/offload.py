@@ -1,10 +1,11 @@
 """Moving sessions' K/V between the paged pool and the host/disk tiers (on the engine thread).
 
 Down: the blocks holding a transcript's prefix are gathered into per-layer tensors
-[kv_heads, tokens, head_dim] on the host (pinned, asynchronous on CUDA). Up: a snapshot's
-tokens are written into blocks from the request's reservation and published under their
-prefix hashes, so the request that restored them, and any later one, finds them like
-computed blocks.
+[kv_heads, tokens, head_dim] on the host (pinned, asynchronous on CUDA), as many as admission
+says its reservations take beyond the free blocks, before they are allocated. Up (`restore`, which
+the model runner calls): a snapshot's tokens are written into blocks the scheduler took from the
+request's reservation; the scheduler then publishes them under their prefix hashes, so the request
+that restored them, and any later one, finds them like computed blocks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import torch
 
 from server.kv.block_store import WriteJob, addresses
-from server.kv.blocks import Block, BlockManager
+from server.kv.blocks import BlockManager
 from server.kv.pool import KVPool
 from server.kv.snapshot import Snapshot
 from server.kv.tiers import TierStore
@@ -33,31 +34,12 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def restore(
-    pool: KVPool, manager: BlockManager, salt: str, shared: list[Block], snapshot: Snapshot, num_tokens: int
-) -> list[Block]:
-    """Write the snapshot's tokens past `shared` (up to `num_tokens`) into new blocks from a reservation."""
+def restore(pool: KVPool, block_ids: list[int], snapshot: Snapshot, first: int, num_tokens: int) -> None:
+    """Write the snapshot's tokens `first`..`num_tokens`-1 into these blocks (the first of them holds token
+    `first`, a block boundary)."""
     snapshot.wait()
-    bs = manager.block_size
-    parent = shared[-1].hash if shared else manager.root(salt)
-    prefer = shared[-1].block_id + 1 if shared else None  # contiguous with the shared prefix when free
-    first = len(shared) * bs
-    restored: list[Block] = []
-    for _start in range(first, num_tokens, bs):
-        restored.append(manager.allocate(prefer))
-        prefer = restored[-1].block_id + 1
-    try:
-        slots = pool.slots([b.block_id for b in restored], num_tokens - first)
-        pool.scatter(slots, [k[:, first:num_tokens] for k in snapshot.k], [v[:, first:num_tokens] for v in snapshot.v])
-    except BaseException:
-        manager.release(restored, keep_contents=False)  # nothing was published: no one can see these
-        manager.reserve(len(restored))  # back to the request's reservation
-        raise
-    for block, start in zip(restored, range(first, num_tokens, bs), strict=True):  # published once written
-        assert parent is not None  # every block before it was full
-        manager.record(block, parent, list(snapshot.token_ids[start : min(start + bs, num_tokens)]))
-        parent = block.hash
-    return restored
+    slots = pool.slots(block_ids, num_tokens - first)
+    pool.scatter(slots, [k[:, first:num_tokens] for k in snapshot.k], [v[:, first:num_tokens] for v in snapshot.v])
 
 
 class Offloader:
@@ -85,9 +67,10 @@ class Offloader:
             ready.record()
         return Snapshot(key, self.model_id, self.fingerprint, list(token_ids[:num_tokens]), k, v, ready=ready)
 
-    def spill(self, num_needed: int) -> None:
-        """Before the pool evicts cached blocks, copy idle sessions' K/V down a tier, least recently used first."""
-        deficit = num_needed - (self.manager.num_free - self.manager.num_reserved)
+    def spill(self, num_short: int) -> None:
+        """Before the pool evicts cached blocks (`num_short`: how many reserved blocks the free ones lack), copy
+        idle sessions' K/V down a tier, least recently used first, until those copied hold that many idle blocks."""
+        deficit = num_short
         if deficit <= 0 or not self.tiers.is_enabled:
             return
         for key, token_ids in self.store.idle_transcripts(self.model_id):
