@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from server.sessions.chat import ChatMessage
 from server.sessions.errors import InvalidTurn, SessionModeMismatch
 
 RECORD_VERSION = 1
@@ -52,9 +53,9 @@ class CompletedTurn:
     text: str
     finish_reason: str
     usage: Usage
-    messages: list[dict[str, Any]] | None  # the request's chat messages (None: a completion, not chat)
+    messages: list[ChatMessage] | None  # the request's chat messages (None: a completion, not chat)
     is_prefill_only: bool = False  # generated nothing (max_tokens 0): no turn, the record stays as it was
-    reply: dict[str, Any] | None = None  # chat: the reply as answered (content, tool calls); None: its text
+    reply: ChatMessage | None = None  # chat: the reply as answered (content, tool calls); None: its text
     tools: list[dict[str, Any]] | None = None  # chat: the tool definitions the prompt rendered
 
 
@@ -64,7 +65,7 @@ class Session:
     model_id: str
     transcript_ids: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=lambda: [Turn(0, 0)])  # turns[0]: the base (system prompt)
-    messages: list[dict[str, Any]] = field(default_factory=list)  # chat messages the transcript holds
+    messages: list[ChatMessage] = field(default_factory=list)  # chat messages the transcript holds
     tools: list[dict[str, Any]] | None = None  # the tool definitions its prompt rendered (a change: no continuation)
     ttl_s: float = 3600.0
     parent: str | None = None  # responses: the previous response; forks: the session branched from
@@ -124,7 +125,7 @@ class Session:
             self,
             transcript_ids=list(self.transcript_ids),
             turns=list(self.turns),
-            messages=[dict(m) for m in self.messages],
+            messages=[m.copy() for m in self.messages],
             extras=dict(self.extras),
         )
 
@@ -134,7 +135,7 @@ class Session:
         turns = list(self.turns[: num_turns + 1])
         return {
             "transcript_ids": list(self.transcript_ids[: turns[-1].end]),
-            "messages": [dict(m) for m in self.messages[: turns[-1].num_messages]],
+            "messages": [m.copy() for m in self.messages[: turns[-1].num_messages]],
             "tools": self.tools,
             "turns": turns,
             "parent": self.key.name,
@@ -232,7 +233,7 @@ class SessionInfo:
         )
 
 
-def _num_same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
+def _num_same(a: list[ChatMessage], b: list[ChatMessage]) -> int:
     """How many leading messages a and b share."""
     n = 0
     for x, y in zip(a, b, strict=False):
