@@ -7,9 +7,9 @@ about tensors: K/V lives in server/kv, found by the transcript's prefix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
 from server.sessions.chat import ChatMessage
 from server.sessions.errors import InvalidTurn, SessionModeMismatch
@@ -57,6 +57,26 @@ class CompletedTurn:
     is_prefill_only: bool = False  # generated nothing (max_tokens 0): no turn, the record stays as it was
     reply: ChatMessage | None = None  # chat: the reply as answered (content, tool calls); None: its text
     tools: list[dict[str, Any]] | None = None  # chat: the tool definitions the prompt rendered
+
+
+class SessionRecord(TypedDict):
+    """A session as the journal and the shared store write it (JSON): `Session.to_record`, read by `from_record`."""
+
+    version: int
+    session: list[str]  # tenant, name, kind
+    model: str
+    transcript_ids: list[int]
+    turns: list[list[int]]  # [end, num_messages] per turn
+    messages: list[ChatMessage]
+    tools: list[dict[str, Any]] | None
+    ttl_s: float
+    parent: str | None
+    record: dict[str, Any]  # the extras
+    created_at: float
+    last_used_at: float
+    rev: int
+    op: str
+    epoch: str
 
 
 @dataclass(slots=True)
@@ -158,7 +178,7 @@ class Session:
         self.transcript_ids = self.transcript_ids[: last.end]
         self.messages = self.messages[: last.num_messages]
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> SessionRecord:
         return {
             "version": RECORD_VERSION,
             "session": [self.key.tenant, self.key.name, self.key.kind],
@@ -178,7 +198,9 @@ class Session:
         }
 
     @classmethod
-    def from_record(cls, data: dict[str, Any], now_mono: float, now_wall: float) -> Session:
+    def from_record(cls, data: Mapping[str, Any], now_mono: float, now_wall: float) -> Session:
+        """A record read back (a journal file, the shared store): JSON as found, checked here (KeyError,
+        TypeError, ValueError when it is not a SessionRecord of this version)."""
         if data.get("version") != RECORD_VERSION:
             raise ValueError(f"record version {data.get('version')!r}")
         tenant, name, kind = data["session"]
