@@ -29,6 +29,7 @@ from typing import Any
 
 from server.openai.formats import JSON, NamedToolChoice, ToolFields
 from server.openai.responses import ResponseRequest
+from server.sessions.chat import ChatMessage, ToolCall
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -164,9 +165,9 @@ def content_beside_calls(content: str) -> str:
     return content if content.strip() else ""
 
 
-def assistant_message(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+def assistant_message(content: str, calls: list[ToolCall]) -> ChatMessage:
     """The normalized assistant message (what the session records and a client's echo is compared with)."""
-    message: dict[str, Any] = {"role": "assistant", "content": content_beside_calls(content) if calls else content}
+    message: ChatMessage = {"role": "assistant", "content": content_beside_calls(content) if calls else content}
     if calls:
         message["tool_calls"] = calls
     return message
