@@ -9,6 +9,7 @@ import jiter
 from sse_starlette import ServerSentEvent
 
 from server.openai.formats import JSON, exact_float
+from server.sessions.chat import ToolCall
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -54,12 +55,12 @@ def stop_reason(finish_reason: str, stop_sequence: str | None, has_calls: bool) 
     return STOP_REASONS.get(finish_reason, "end_turn")
 
 
-def content_blocks(text: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def content_blocks(text: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
     return blocks + [tool_use_block(call) for call in calls]
 
 
-def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
     function = call["function"]
     return {"type": "tool_use", "id": call["id"], "name": function["name"], "input": tool_input(function["arguments"])}
 

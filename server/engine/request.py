@@ -8,6 +8,7 @@ from typing import Any
 
 from server.engine.grammar import Constraint
 from server.errors import Refused
+from server.sessions.chat import ChatMessage
 from server.sessions.record import SessionKey, Usage
 
 
@@ -42,12 +43,12 @@ class GenerationRequest:
     session: SessionKey | None = None  # locked for the request; its turn is recorded when it completes
     kv_source: SessionKey | None = None  # whose host/disk snapshot may hold this prompt's K/V
     use_cache: bool = True  # False: no K/V reuse and nothing published for others (baselines)
-    messages: list[dict[str, Any]] | None = None  # chat: the messages this prompt renders (kept in the record)
+    messages: list[ChatMessage] | None = None  # chat: the messages this prompt renders (kept in the record)
     timeout_s: float | None = None
     max_unread_events: int | None = None  # a stream left unread past this many events is ended (slow reader)
     constraint: Constraint | None = None  # structured output: every token must fit this (fresh) grammar
     tools: list[dict[str, Any]] | None = None  # chat: the tool definitions the prompt renders (kept in the record)
-    reply: Callable[[str], dict[str, Any]] | None = None  # chat: the reply's text -> the message the record keeps
+    reply: Callable[[str], ChatMessage] | None = None  # chat: the reply's text -> the message the record keeps
     shown_special_ids: frozenset[int] = frozenset()  # special tokens kept in the text: tool-call tags to read
 
     @property

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from server.sessions.chat import ToolCall
 from server.sessions.record import Usage
 
 TokenText = Callable[[int], str]
@@ -85,7 +86,7 @@ def choice_logprobs(
     return chat_logprobs(items, token_text) if meta.is_chat else text_logprobs(items, token_text, offset)
 
 
-def finish_reason_of(finish_reason: str, calls: list[dict[str, Any]] | None) -> str:
+def finish_reason_of(finish_reason: str, calls: list[ToolCall] | None) -> str:
     """A reply that called tools finished for that reason (OpenAI's), whatever ended its tokens."""
     return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
@@ -96,7 +97,7 @@ def full_response(
     finish_reason: str,
     usage: Usage,
     logprobs: dict[str, Any] | None,
-    calls: list[dict[str, Any]] | None = None,
+    calls: list[ToolCall] | None = None,
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason_of(finish_reason, calls), "logprobs": logprobs}
     if meta.is_chat:
@@ -127,7 +128,7 @@ def delta_chunk(
     return {**meta.envelope(chunk=True), "choices": [choice]}
 
 
-def tool_call_chunks(meta: Meta, calls: list[dict[str, Any]], first_index: int) -> list[dict[str, Any]]:
+def tool_call_chunks(meta: Meta, calls: list[ToolCall], first_index: int) -> list[dict[str, Any]]:
     """OpenAI's streamed tool calls: per call, a delta naming it (id, name, empty arguments), then its arguments."""
     out: list[dict[str, Any]] = []
     for index, call in enumerate(calls, first_index):

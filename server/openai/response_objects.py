@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from server.sessions.chat import ToolCall
+
 
 def usage_object(usage: list[int] | None, written: int = 0) -> dict[str, Any] | None:
     """[prompt, completion, cached] tokens as the Responses API's usage, with `written`: the prompt tokens this
@@ -34,7 +36,7 @@ def message_item(response_id: str, status: str, text: str | None) -> dict[str, A
     return {"id": message_id(response_id), "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-def function_call_item(response_id: str, index: int, call: dict[str, Any], status: str) -> dict[str, Any]:
+def function_call_item(response_id: str, index: int, call: ToolCall, status: str) -> dict[str, Any]:
     """A tool call of the reply (chat's shape: id, function name and arguments) as a Responses output item."""
     function = call["function"]
     return {
@@ -47,7 +49,7 @@ def function_call_item(response_id: str, index: int, call: dict[str, Any], statu
     }
 
 
-def output_items(response_id: str, text: str | None, calls: list[dict[str, Any]], status: str) -> list[dict[str, Any]]:
+def output_items(response_id: str, text: str | None, calls: list[ToolCall], status: str) -> list[dict[str, Any]]:
     """The message (when there is text, or nothing else), then one item per call."""
     items = [message_item(response_id, status, text)] if text is not None and (text or not calls) else []
     return items + [function_call_item(response_id, i, call, status) for i, call in enumerate(calls)]

@@ -23,13 +23,14 @@ from server.openai.errors import ApiError
 from server.serving import control_text
 from server.serving.prompts import check_chat_size
 from server.serving.tools import ToolUse, chat_template, for_template, tool_format
+from server.sessions.chat import ChatMessage
 from server.sessions.record import Session
 
 PLACEHOLDER = "kvserve-seen-message-{}"
 
 
 def render(
-    loaded: LoadedModel, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: ToolUse | None = None
+    loaded: LoadedModel, messages: list[ChatMessage], add_generation_prompt: bool, tools: ToolUse | None = None
 ) -> str:
     tokenizer = loaded.tokenizer
     template = chat_template(tokenizer, tools)
@@ -55,7 +56,7 @@ def tokenize(loaded: LoadedModel, text: str) -> list[int]:
 
 
 def prompt_ids(
-    loaded: LoadedModel, messages: list[dict[str, Any]], session: Session | None, tools: ToolUse | None = None
+    loaded: LoadedModel, messages: list[ChatMessage], session: Session | None, tools: ToolUse | None = None
 ) -> list[int]:
     """The prompt for `messages`: the session's transcript + the new messages when they extend it. A conversation
     whose text cannot fit the context is refused first, never rendered."""
@@ -68,7 +69,7 @@ def prompt_ids(
 
 
 def continued_ids(
-    loaded: LoadedModel, messages: list[dict[str, Any]], session: Session, tools: ToolUse | None = None
+    loaded: LoadedModel, messages: list[ChatMessage], session: Session, tools: ToolUse | None = None
 ) -> list[int] | None:
     seen, transcript = session.messages, session.transcript_ids
     if not seen or not transcript or len(messages) <= len(seen) or messages[: len(seen)] != seen:
@@ -89,14 +90,17 @@ def continued_ids(
     return transcript + tokenize(loaded, new_text[len(held) :])
 
 
-def _placeholder(message: dict[str, Any], index: int) -> dict[str, Any]:
+def _placeholder(message: ChatMessage, index: int) -> ChatMessage:
     """A seen message with its content (and an assistant's calls) replaced by an inert mark."""
-    return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": PLACEHOLDER.format(index)}
+    placeholder = message.copy()
+    placeholder.pop("tool_calls", None)
+    placeholder["content"] = PLACEHOLDER.format(index)
+    return placeholder
 
 
 def _held_closing(
     loaded: LoadedModel,
-    placeholders: list[dict[str, Any]],
+    placeholders: list[ChatMessage],
     last: str,
     transcript: list[int],
     is_reply: bool,

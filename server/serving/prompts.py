@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 from server.engine.request import SamplingParams
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
-from server.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.openai.schemas import ChatMessage as RequestMessage
 from server.serving.tools import ToolUse, canonical_arguments, content_beside_calls
+from server.sessions.chat import ChatMessage
 
 
 def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
@@ -29,7 +30,7 @@ def _check_bytes(loaded: LoadedModel, num_bytes: int, param: str) -> None:
         raise ApiError(400, "context_length_exceeded", message, param)
 
 
-def check_chat_size(loaded: LoadedModel, messages: list[dict[str, Any]], tools: ToolUse | None) -> None:
+def check_chat_size(loaded: LoadedModel, messages: list[ChatMessage], tools: ToolUse | None) -> None:
     """The size rule for a whole conversation, before its template is rendered (on a worker thread: a tool's
     schema may be megabytes): the contents, the tool calls' arguments and the tool definitions are all text
     the prompt holds."""
@@ -51,14 +52,14 @@ def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
     return _non_empty(ids, "prompt")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
     return [_message(m) for m in req.messages]
 
 
-def _message(message: ChatMessage) -> dict[str, Any]:
+def _message(message: RequestMessage) -> ChatMessage:
     """One normal form for a message, whoever sent it: a session's record of its reply and a client's echo of
     that reply compare equal (content "" for null; tool call arguments as compact JSON)."""
-    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    out: ChatMessage = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:

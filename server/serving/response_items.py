@@ -16,6 +16,7 @@ from server.openai.errors import ApiError
 from server.openai.response_objects import output_items
 from server.openai.responses import ItemReference, ResponseRequest
 from server.serving.tools import canonical_arguments
+from server.sessions.chat import ChatMessage, FunctionCall, Role, ToolCall
 
 ITEM_ID = re.compile(r"^(msg|fc|in)_([0-9a-f]{32})(?:_([0-9]+))?$")
 Lookup = Callable[[str], dict[str, Any] | None]  # a response id -> its stored record (extras), if any
@@ -64,17 +65,17 @@ def _find(item_id: str, lookup: Lookup) -> dict[str, Any]:
     return item
 
 
-def messages_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def messages_of(items: list[dict[str, Any]]) -> list[ChatMessage]:
     """Resolved items as normalized chat messages (chat's normal form: prompts.chat_messages)."""
-    messages: list[dict[str, Any]] = []
+    messages: list[ChatMessage] = []
     for item in items:
         kind = item["type"]
         if kind == "message":
-            role = "system" if item["role"] == "developer" else item["role"]
+            role: Role = "system" if item["role"] == "developer" else item["role"]
             messages.append({"role": role, "content": _text(item["content"])})
         elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function"}
-            call["function"] = {"name": item["name"], "arguments": canonical_arguments(item["arguments"])}
+            function: FunctionCall = {"name": item["name"], "arguments": canonical_arguments(item["arguments"])}
+            call: ToolCall = {"id": item["call_id"], "type": "function", "function": function}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)

@@ -22,6 +22,7 @@ from server.serving import continuation
 from server.serving.core import Serving
 from server.serving.prompts import check_text_size
 from server.serving.tool_reader import Reading
+from server.sessions.chat import ChatMessage
 from server.sessions.errors import SessionError
 from server.sessions.index import Reach
 from server.sessions.record import SessionInfo, SessionKey, Turn
@@ -63,7 +64,7 @@ class Sessions:
             await self.serving.off_loop(self.store.create, key, engine.model_id, body.ttl_s)
             return await self.describe(key)
         loaded = engine.loaded
-        messages = [{"role": "system", "content": body.system}]
+        messages: list[ChatMessage] = [{"role": "system", "content": body.system}]
         check_text_size(loaded, [body.system], "system")
         ids = await asyncio.to_thread(_render_ids, loaded, messages)  # off the event loop
         if len(ids) >= loaded.max_context:
@@ -80,7 +81,7 @@ class Sessions:
             raise
         return await self.describe(key)
 
-    async def _prefill(self, engine: Engine, key: SessionKey, ids: list[int], messages: list[dict[str, Any]]) -> None:
+    async def _prefill(self, engine: Engine, key: SessionKey, ids: list[int], messages: list[ChatMessage]) -> None:
         """Compute the system prompt's K/V now (the session's base): a request that generates nothing."""
         gen = self.serving.request(
             reading=Reading(None, "", f"prefill-{uuid.uuid4().hex}"),
@@ -196,7 +197,7 @@ class Sessions:
         return {"id": key.name, "object": "session.deleted", "deleted": True}
 
 
-def _render_ids(loaded: LoadedModel, messages: list[dict[str, Any]]) -> list[int]:
+def _render_ids(loaded: LoadedModel, messages: list[ChatMessage]) -> list[int]:
     return continuation.tokenize(loaded, continuation.render(loaded, messages, add_generation_prompt=False))
 
 

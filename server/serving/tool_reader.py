@@ -19,6 +19,7 @@ from server.serving.tools import (
     canonical_arguments,
     model_tool_format,
 )
+from server.sessions.chat import ChatMessage, FunctionCall, ToolCall
 
 # A call's opening with its name whole (the name first, as the prompt and the grammar write it), and where its
 # arguments begin when their key was written too.
@@ -33,7 +34,7 @@ class ToolReader:
     tools: ToolUse | None
     style: str
     request_id: str
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
     content: str = ""  # sent as content so far
     is_cut: bool = False  # the last call's arguments are unfinished: the reply ended inside its block
     _held: str = ""  # not sent yet: a possible call's start, or the call blocks being read
@@ -45,7 +46,7 @@ class ToolReader:
     def reads_calls(self) -> bool:
         return self.tools is not None and self.tools.reads_calls
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         if not self.reads_calls:
             self.content += text
             return text, []
@@ -72,13 +73,13 @@ class ToolReader:
             self.content += sent
         self._since_first_call += text
         self._held += text
-        found: list[dict[str, Any]] = []
+        found: list[ToolCall] = []
         while (start := self._held.find(CALL_OPEN)) >= 0 and (end := self._held.find(CALL_CLOSE, start)) >= 0:
             found += self._add(_json_object(self._held[start + len(CALL_OPEN) : end]))
             self._held = self._held[end + len(CALL_CLOSE) :]
         return sent, found
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self) -> tuple[str, list[ToolCall]]:
         """At the end of the reply: what is left. A call block the reply ended inside (max_tokens cut it) is never
         content: a call cut short (`is_cut`) when its name is whole, its arguments the text so far; else nothing.
         A reply whose closed call blocks all failed to parse is content; a forced reply is only calls."""
@@ -99,7 +100,7 @@ class ToolReader:
         self.content += text
         return text, []
 
-    def _finish_json(self, held: str, is_forced: bool) -> tuple[str, list[dict[str, Any]]]:
+    def _finish_json(self, held: str, is_forced: bool) -> tuple[str, list[ToolCall]]:
         """A Llama-3 JSON reply: successive call objects, the last perhaps cut short; content if it is not that."""
         values, rest = _json_values(held.lstrip().removeprefix(PYTHON_TAG))
         found = [call for obj in values for call in self._add(obj)]
@@ -109,7 +110,7 @@ class ToolReader:
         self.content += held
         return held, []
 
-    def _add(self, obj: Any) -> list[dict[str, Any]]:
+    def _add(self, obj: Any) -> list[ToolCall]:
         assert self.tools is not None  # only a reader that reads calls finds any
         names = {spec.name for spec in self.tools.specs}
         if not isinstance(obj, dict) or obj.get("name") not in names:
@@ -117,8 +118,8 @@ class ToolReader:
         arguments = obj.get("arguments", obj.get("parameters", {}))
         if not isinstance(arguments, dict) or (self.calls and not self.tools.parallel):
             return []
-        function = {"name": obj["name"], "arguments": canonical_arguments(arguments)}
-        call: dict[str, Any] = {
+        function: FunctionCall = {"name": obj["name"], "arguments": canonical_arguments(arguments)}
+        call: ToolCall = {
             "id": call_id(self.request_id, len(self.calls)),
             "type": "function",
             "function": function,
@@ -126,7 +127,7 @@ class ToolReader:
         self.calls.append(call)
         return [call]
 
-    def _add_cut(self, text: str) -> list[dict[str, Any]]:
+    def _add_cut(self, text: str) -> list[ToolCall]:
         """The call an unfinished block holds, if its name is whole and declared: its arguments are the text so
         far (whole ones, when only the block's end is missing, are canonical like any call's)."""
         assert self.tools is not None
@@ -147,25 +148,24 @@ class ToolReader:
         except ValueError:
             arguments = None
         is_whole = isinstance(arguments, dict)
-        function = {"name": name, "arguments": canonical_arguments(arguments) if is_whole else rest}
-        call: dict[str, Any] = {"id": call_id(self.request_id, len(self.calls)), "type": "function"}
-        call["function"] = function
+        function: FunctionCall = {"name": name, "arguments": canonical_arguments(arguments) if is_whole else rest}
+        call: ToolCall = {"id": call_id(self.request_id, len(self.calls)), "type": "function", "function": function}
         self.calls.append(call)
         self.is_cut = not is_whole
         return [call]
 
-    def message(self) -> dict[str, Any]:
+    def message(self) -> ChatMessage:
         """The reply as the session records it (content "" when only calls were made)."""
         return assistant_message(self.content, self.calls)
 
-    def read_all(self, text: str) -> dict[str, Any]:
+    def read_all(self, text: str) -> ChatMessage:
         """The whole reply at once: the assistant message, calls included (the same a stream gives)."""
         self.feed(text)
         self.finish()
         return self.message()
 
 
-def read_reply(text: str, tools: ToolUse | None, style: str, request_id: str) -> dict[str, Any]:
+def read_reply(text: str, tools: ToolUse | None, style: str, request_id: str) -> ChatMessage:
     return ToolReader(tools, style, request_id).read_all(text)
 
 
@@ -186,7 +186,7 @@ class Reading:
     def reader(self) -> ToolReader:
         return ToolReader(self.tools, self.style, self.request_id)
 
-    def reply(self, text: str) -> dict[str, Any]:
+    def reply(self, text: str) -> ChatMessage:
         return read_reply(text, self.tools, self.style, self.request_id)
 
 

@@ -23,12 +23,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from server.openai.formats import JSON, NamedToolChoice, ToolFields
 from server.openai.responses import ResponseRequest
+from server.sessions.chat import ChatMessage, ToolCall
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -164,9 +166,9 @@ def content_beside_calls(content: str) -> str:
     return content if content.strip() else ""
 
 
-def assistant_message(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+def assistant_message(content: str, calls: list[ToolCall]) -> ChatMessage:
     """The normalized assistant message (what the session records and a client's echo is compared with)."""
-    message: dict[str, Any] = {"role": "assistant", "content": content_beside_calls(content) if calls else content}
+    message: ChatMessage = {"role": "assistant", "content": content_beside_calls(content) if calls else content}
     if calls:
         message["tool_calls"] = calls
     return message
@@ -174,8 +176,8 @@ def assistant_message(content: str, calls: list[dict[str, Any]]) -> dict[str, An
 
 # -- into the prompt -------------------------------------------------------------------------
 def for_template(
-    messages: list[dict[str, Any]], tools: ToolUse | None, fmt: ToolFormat
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    messages: list[ChatMessage], tools: ToolUse | None, fmt: ToolFormat
+) -> tuple[Sequence[Mapping[str, Any]], list[dict[str, Any]] | None]:
     """The messages and tools to hand the chat template: as they are for a template that renders tools, the
     generic prompt's rewriting otherwise. No message is added or dropped, but a system message that carries
     the generic tool list when the conversation has none of its own."""
@@ -192,7 +194,7 @@ def for_template(
     return out, None
 
 
-def _native(message: dict[str, Any]) -> dict[str, Any]:
+def _native(message: ChatMessage) -> Mapping[str, Any]:
     if "tool_calls" not in message:
         return message
     calls = [
@@ -202,7 +204,7 @@ def _native(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": calls}  # templates read arguments as an object
 
 
-def _generic(message: dict[str, Any]) -> dict[str, Any]:
+def _generic(message: ChatMessage) -> ChatMessage:
     if message["role"] == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
     if "tool_calls" not in message:

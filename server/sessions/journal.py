@@ -14,10 +14,11 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from server.sessions.record import Session, SessionKey
+from server.sessions.record import Session, SessionKey, SessionRecord
 
 log = logging.getLogger("kvserve.sessions")
 NAME_PATTERN = r"[A-Za-z0-9_-]{1,128}"
@@ -45,7 +46,7 @@ def sweep(directory: Path, suffix: str) -> int:
     return removed
 
 
-def write_json(path: Path, record: dict[str, Any]) -> None:
+def write_json(path: Path, record: Mapping[str, object]) -> None:
     """Atomically (a temporary file, then a rename): a reader sees the old record or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
@@ -84,7 +85,7 @@ class Journal:
         assert self.directory is not None
         return state_path(self.directory, key, ".json")
 
-    def save(self, key: SessionKey, record: dict[str, Any]) -> None:
+    def save(self, key: SessionKey, record: SessionRecord) -> None:
         """Raises OSError (disk full, ...): the caller treats the turn as not recorded."""
         if self.directory is None or key.is_bucket:
             return
@@ -93,7 +94,7 @@ class Journal:
                 return  # deleted while its turn ran: this state belongs to nobody
             write_json(self.path_for(key), record)
 
-    def save_all(self, records: list[tuple[SessionKey, dict[str, Any]]]) -> list[SessionKey]:
+    def save_all(self, records: list[tuple[SessionKey, SessionRecord]]) -> list[SessionKey]:
         """Write each record; returns the keys whose write failed."""
         failed = []
         for key, record in records:

@@ -7,10 +7,11 @@ about tensors: K/V lives in server/kv, found by the transcript's prefix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
+from server.sessions.chat import ChatMessage
 from server.sessions.errors import InvalidTurn, SessionModeMismatch
 
 RECORD_VERSION = 1
@@ -52,10 +53,30 @@ class CompletedTurn:
     text: str
     finish_reason: str
     usage: Usage
-    messages: list[dict[str, Any]] | None  # the request's chat messages (None: a completion, not chat)
+    messages: list[ChatMessage] | None  # the request's chat messages (None: a completion, not chat)
     is_prefill_only: bool = False  # generated nothing (max_tokens 0): no turn, the record stays as it was
-    reply: dict[str, Any] | None = None  # chat: the reply as answered (content, tool calls); None: its text
+    reply: ChatMessage | None = None  # chat: the reply as answered (content, tool calls); None: its text
     tools: list[dict[str, Any]] | None = None  # chat: the tool definitions the prompt rendered
+
+
+class SessionRecord(TypedDict):
+    """A session as the journal and the shared store write it (JSON): `Session.to_record`, read by `from_record`."""
+
+    version: int
+    session: list[str]  # tenant, name, kind
+    model: str
+    transcript_ids: list[int]
+    turns: list[list[int]]  # [end, num_messages] per turn
+    messages: list[ChatMessage]
+    tools: list[dict[str, Any]] | None
+    ttl_s: float
+    parent: str | None
+    record: dict[str, Any]  # the extras
+    created_at: float
+    last_used_at: float
+    rev: int
+    op: str
+    epoch: str
 
 
 @dataclass(slots=True)
@@ -64,7 +85,7 @@ class Session:
     model_id: str
     transcript_ids: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=lambda: [Turn(0, 0)])  # turns[0]: the base (system prompt)
-    messages: list[dict[str, Any]] = field(default_factory=list)  # chat messages the transcript holds
+    messages: list[ChatMessage] = field(default_factory=list)  # chat messages the transcript holds
     tools: list[dict[str, Any]] | None = None  # the tool definitions its prompt rendered (a change: no continuation)
     ttl_s: float = 3600.0
     parent: str | None = None  # responses: the previous response; forks: the session branched from
@@ -124,7 +145,7 @@ class Session:
             self,
             transcript_ids=list(self.transcript_ids),
             turns=list(self.turns),
-            messages=[dict(m) for m in self.messages],
+            messages=[m.copy() for m in self.messages],
             extras=dict(self.extras),
         )
 
@@ -134,7 +155,7 @@ class Session:
         turns = list(self.turns[: num_turns + 1])
         return {
             "transcript_ids": list(self.transcript_ids[: turns[-1].end]),
-            "messages": [dict(m) for m in self.messages[: turns[-1].num_messages]],
+            "messages": [m.copy() for m in self.messages[: turns[-1].num_messages]],
             "tools": self.tools,
             "turns": turns,
             "parent": self.key.name,
@@ -157,7 +178,7 @@ class Session:
         self.transcript_ids = self.transcript_ids[: last.end]
         self.messages = self.messages[: last.num_messages]
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self) -> SessionRecord:
         return {
             "version": RECORD_VERSION,
             "session": [self.key.tenant, self.key.name, self.key.kind],
@@ -177,7 +198,9 @@ class Session:
         }
 
     @classmethod
-    def from_record(cls, data: dict[str, Any], now_mono: float, now_wall: float) -> Session:
+    def from_record(cls, data: Mapping[str, Any], now_mono: float, now_wall: float) -> Session:
+        """A record read back (a journal file, the shared store): JSON as found, checked here (KeyError,
+        TypeError, ValueError when it is not a SessionRecord of this version)."""
         if data.get("version") != RECORD_VERSION:
             raise ValueError(f"record version {data.get('version')!r}")
         tenant, name, kind = data["session"]
@@ -232,7 +255,7 @@ class SessionInfo:
         )
 
 
-def _num_same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
+def _num_same(a: list[ChatMessage], b: list[ChatMessage]) -> int:
     """How many leading messages a and b share."""
     n = 0
     for x, y in zip(a, b, strict=False):

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from server.sessions.errors import SessionBusy, SharedStoreUnavailable
-from server.sessions.record import SessionKey
+from server.sessions.record import SessionKey, SessionRecord
 from server.sessions.shared_state import ABORTED_TTL_MS, EPOCH_KEY, SharedStoreState, abort_key
 
 log = logging.getLogger("kvserve.sessions")
@@ -80,7 +80,7 @@ class SharedRecords:
         self._delete = self.client.register_script(DELETE)
         self._resolve = self.client.register_script(RESOLVE)
 
-    def load(self, key: SessionKey) -> dict[str, Any] | str | None:
+    def load(self, key: SessionKey) -> SessionRecord | str | None:
         """The record as last committed (its `op` beside it), GONE when it was deleted, None when Redis holds
         neither (never written, expired, or lost)."""
         with self._answering():
@@ -89,7 +89,7 @@ class SharedRecords:
             pipe.exists(_tombstone(key))
             (data, op), deleted = pipe.execute()
         if data is not None:
-            record: dict[str, Any] = json.loads(data)
+            record: SessionRecord = json.loads(data)  # as `save` committed it (Session.from_record checks it)
             record["op"] = op.decode() if op is not None else ""
             return record
         return GONE if deleted else None
@@ -99,13 +99,14 @@ class SharedRecords:
         with self._answering():
             return self.state.epoch(self.client)
 
-    def save(self, key: SessionKey, record: dict[str, Any], expected_op: str) -> None:
+    def save(self, key: SessionKey, record: SessionRecord, expected_op: str) -> None:
         """Commit `record` (its `op` and `rev`) only if the shared copy is still the one `expected_op` wrote ("":
         none). Raises SessionBusy when another replica moved it on, SharedStoreUnavailable when it was not
         applied because Redis did not answer or lost its data, SharedStoreUncertain when that cannot be known."""
         op = record["op"]  # and record["epoch"]: the epoch it was read in, which the script checks
         keys = [_record(key), _tombstone(key), EPOCH_KEY, abort_key(op)]
-        args = [record["epoch"], expected_op, op, record["rev"], json.dumps(record, separators=(",", ":"))]
+        data = json.dumps(record, separators=(",", ":"))
+        args: list[str | int] = [record["epoch"], expected_op, op, record["rev"], data]
         args.append(_ms(float(record["ttl_s"])))
         answer = self._change(lambda: self._save(keys=keys, args=args), key, op, f"{key.kind} {key.name!r}: a change")
         if answer.startswith(b"moved:"):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from server.sessions.journal import Journal
-from server.sessions.record import Session, SessionKey
+from server.sessions.record import Session, SessionKey, SessionRecord
 from server.sessions.shared import GONE, SharedRecords
 from server.sessions.table import SessionTable
 
@@ -65,7 +65,7 @@ class SharedSync:
             if isinstance(found, dict):
                 self._adopt(key, found, local)
 
-    def _adopt(self, key: SessionKey, record: dict[str, Any], local: Session | None) -> None:
+    def _adopt(self, key: SessionKey, record: SessionRecord, local: Session | None) -> None:
         try:
             found = Session.from_record(record, self._clock(), self._wall())
         except (KeyError, TypeError, ValueError) as exc:
