@@ -6,7 +6,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import Request
 from starlette.responses import Response
@@ -22,6 +21,7 @@ from server.serving.prompts import chat_messages, check_text_size, completion_id
 from server.serving.render.completions import CompletionRenderer
 from server.serving.tool_reader import Reading, ToolReader
 from server.serving.tools import tool_use
+from server.sessions.chat import ChatMessage
 from server.sessions.record import Session
 
 
@@ -83,7 +83,7 @@ def renderer(req: SamplingFields, engine: Engine, is_chat: bool) -> Callable[[Ad
     return make
 
 
-def with_session_system(messages: list[dict[str, Any]], view: Session | None) -> list[dict[str, Any]]:
+def with_session_system(messages: list[ChatMessage], view: Session | None) -> list[ChatMessage]:
     """A session created with a system prompt applies it to requests that bring none of their own."""
     if view is None or not view.turns[0].num_messages or messages[0]["role"] == "system":
         return messages

@@ -24,6 +24,7 @@ from server.hosting import ModelHost
 from server.metrics import Metrics
 from server.openai.errors import ApiError
 from server.serving.tool_reader import Reading
+from server.sessions.chat import ChatMessage
 from server.sessions.record import Session, SessionKey
 from server.wire import SESSION_ID_PATTERN
 
@@ -66,7 +67,7 @@ class Serving:
         session: SessionKey | None = None,
         kv_source: SessionKey | None = None,
         use_cache: bool = True,
-        messages: list[dict[str, Any]] | None = None,
+        messages: list[ChatMessage] | None = None,
         constraint: Constraint | None = None,
     ) -> GenerationRequest:
         """The request the engine runs; `reading`: its id, and how its reply is read (a chat reply, with

@@ -32,6 +32,7 @@ from server.serving.prompts import check_text_size, output_budget
 from server.serving.render.messages import MessageRenderer
 from server.serving.tool_reader import Reading, ToolReader
 from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, canonical_arguments
+from server.sessions.chat import ChatMessage, FunctionCall, ToolCall
 from server.sessions.errors import SessionBusy, SessionError
 from server.sessions.record import Session, SessionKey
 
@@ -102,9 +103,9 @@ class Messages:
             return None
 
 
-def chat_of(req: Conversation) -> tuple[list[dict[str, Any]], list[int]]:
+def chat_of(req: Conversation) -> tuple[list[ChatMessage], list[int]]:
     """Chat's normal form of the conversation, and after each request message how many chat messages there are."""
-    messages: list[dict[str, Any]] = []
+    messages: list[ChatMessage] = []
     if req.system:
         text = req.system if isinstance(req.system, str) else "".join(b.text for b in req.system)
         messages.append({"role": "system", "content": text})
@@ -127,8 +128,8 @@ def chat_of(req: Conversation) -> tuple[list[dict[str, Any]], list[int]]:
     return messages, ends
 
 
-def _call(block: ToolUseBlock) -> dict[str, Any]:
-    function = {"name": block.name, "arguments": canonical_arguments(block.input)}
+def _call(block: ToolUseBlock) -> ToolCall:
+    function: FunctionCall = {"name": block.name, "arguments": canonical_arguments(block.input)}
     return {"id": block.id, "type": "function", "function": function}
 
 
@@ -144,7 +145,7 @@ def tool_use_of(req: Conversation) -> ToolUse | None:
     return ToolUse(specs, "required" if choice.type == "any" else "none", None, parallel)
 
 
-def marked_prefix(req: Conversation, messages: list[dict[str, Any]], ends: list[int]) -> list[dict[str, Any]] | None:
+def marked_prefix(req: Conversation, messages: list[ChatMessage], ends: list[int]) -> list[ChatMessage] | None:
     """The messages up to the last cache_control breakpoint (None: no breakpoint)."""
     marked = [i for i, m in enumerate(req.messages) if not isinstance(m.content, str) and _has_mark(m.content)]
     if isinstance(req, MessagesRequest) and req.cache_control is not None:  # on the last block: all of it
@@ -156,7 +157,7 @@ def marked_prefix(req: Conversation, messages: list[dict[str, Any]], ends: list[
     return None
 
 
-def prefix_len(loaded: LoadedModel, prefix: list[dict[str, Any]], tools: ToolUse | None) -> int:
+def prefix_len(loaded: LoadedModel, prefix: list[ChatMessage], tools: ToolUse | None) -> int:
     """The prefix's prompt tokens, rendered as the prompt renders them."""
     try:
         return len(continuation.tokenize(loaded, continuation.render(loaded, prefix, False, tools)))

@@ -29,6 +29,7 @@ from server.openai.errors import ApiError, failure_body
 from server.serving import continuation, structured
 from server.serving.core import Serving, answer_headers, cancel_on_disconnect
 from server.serving.tool_reader import Reading, ToolReader
+from server.sessions.chat import ChatMessage
 from server.sessions.record import Session, SessionKey
 
 SEND_TIMEOUT_S = 60  # a client that accepts no bytes for this long is disconnected
@@ -87,7 +88,7 @@ class Turn:
     tenant: str
     reading: Reading  # its id, its tools and how its reply is read
     named: SessionKey | None  # the session or cache bucket the request names
-    messages: list[dict[str, Any]] | None  # chat's normal form (recorded with the turn); None: a plain completion
+    messages: list[ChatMessage] | None  # chat's normal form (recorded with the turn); None: a plain completion
     sampling: Callable[[int], SamplingParams]  # its sampling, given the prompt's length (the budget depends on it)
     renderer: Callable[[Admitted, ToolReader], Renderer]  # its wire shape, once admitted
     stream: bool

@@ -35,6 +35,7 @@ from server.serving.render.responses import KIND, ResponseRenderer, not_found, r
 from server.serving.response_items import messages_of, resolve, stored_items
 from server.serving.tool_reader import Reading, ToolReader
 from server.serving.tools import responses_tool_use
+from server.sessions.chat import ChatMessage
 from server.sessions.record import CompletedTurn, Session, SessionKey
 from server.sessions.store import SessionStore
 
@@ -63,7 +64,7 @@ def request_fields(req: ResponseRequest, items: list[dict[str, Any]]) -> dict[st
 
 def record_turn(extras: dict[str, Any], turn: CompletedTurn) -> None:
     """The store's hook for responses: the result is journaled with the transcript, before the final event."""
-    reply = turn.reply or {"content": turn.text}
+    reply: ChatMessage = turn.reply or {"role": "assistant", "content": turn.text}
     extras.update(result(turn.finish_reason, reply["content"], turn.usage, reply.get("tool_calls", [])))
 
 
@@ -100,14 +101,14 @@ class Responses:
         view = self.store.view(key) if key is not None else None
         return view.extras if view is not None else None
 
-    def _messages(
-        self, req: ResponseRequest, parent: Session | None, items: list[dict[str, Any]]
-    ) -> list[dict[str, Any]]:
+    def _messages(self, req: ResponseRequest, parent: Session | None, items: list[dict[str, Any]]) -> list[ChatMessage]:
         """Instructions apply to this response only; the conversation is the parent's plus the new input."""
-        history = []
+        history: list[ChatMessage] = []
         if parent is not None:
             history = parent.messages[1:] if parent.extras.get("instructions") is not None else parent.messages
-        own = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+        own: list[ChatMessage] = (
+            [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+        )
         return own + history + messages_of(items)
 
     async def create(self, req: ResponseRequest, http: Request, tenant: str) -> Response:

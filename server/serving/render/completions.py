@@ -14,6 +14,7 @@ from server.openai import chunks
 from server.openai.errors import failure_body
 from server.serving.pipeline import Renderer
 from server.serving.tool_reader import ToolReader
+from server.sessions.chat import ToolCall
 
 
 class CompletionRenderer(Renderer):
@@ -57,7 +58,7 @@ class CompletionRenderer(Renderer):
     def closing(self) -> list[ServerSentEvent]:
         return [ServerSentEvent(data="[DONE]", sep="\n")]
 
-    def _calls(self, calls: list[dict[str, Any]]) -> list[ServerSentEvent]:
+    def _calls(self, calls: list[ToolCall]) -> list[ServerSentEvent]:
         if not calls:
             return []
         first = len(self.reader.calls) - len(calls)

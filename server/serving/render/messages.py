@@ -20,6 +20,7 @@ from server.engine.request import Admitted, Failed, Finished, TextDelta, TokenLo
 from server.openai.errors import CODE_STATUS
 from server.serving.pipeline import Renderer
 from server.serving.tool_reader import LeadingBlank, ToolReader
+from server.sessions.chat import ToolCall
 
 
 class MessageRenderer(Renderer):
@@ -108,7 +109,7 @@ class BlockStream:
         self.index += 1
         return out
 
-    def calls(self, calls: list[dict[str, Any]]) -> list[ServerSentEvent]:
+    def calls(self, calls: list[ToolCall]) -> list[ServerSentEvent]:
         out = self.close() if calls and self.is_open else []
         for call in calls:
             function = call["function"]

@@ -13,6 +13,7 @@ from server.openai.response_objects import call_item_id, function_call_item, mes
 from server.serving.core import Serving
 from server.serving.pipeline import Renderer
 from server.serving.tool_reader import LeadingBlank, ToolReader
+from server.sessions.chat import ToolCall
 from server.sessions.record import SessionKey, Turn, Usage
 
 KIND = "response"
@@ -23,7 +24,7 @@ def not_found(response_id: str, param: str | None = None) -> ApiError:
     return ApiError(404, "response_not_found", f"no stored response {response_id!r}", param)
 
 
-def result(finish_reason: str, text: str, usage: Usage, calls: list[dict[str, Any]]) -> dict[str, Any]:
+def result(finish_reason: str, text: str, usage: Usage, calls: list[ToolCall]) -> dict[str, Any]:
     """A finished response's part of its record."""
     return {
         "status": "completed" if finish_reason == "stop" else "incomplete",
@@ -158,7 +159,7 @@ class ItemStream:
         out.append(self.run.event("response.output_item.done", output_index=0, item=item))
         return out
 
-    def calls(self, calls: list[dict[str, Any]], is_cut: bool = False) -> list[ServerSentEvent]:
+    def calls(self, calls: list[ToolCall], is_cut: bool = False) -> list[ServerSentEvent]:
         """Each call's events; with `is_cut`, the last one's arguments are unfinished (its item is incomplete)."""
         out = self.close() if calls and self.is_open else []
         run = self.run
