@@ -120,3 +120,36 @@ def test_a_state_directory_removed_while_running_is_written_again_at_shutdown(ti
         assert sessions_of(client) == before
         restored = client.get(f"/v1/sessions/{next(iter(before))}").json()
         assert restored["cache"]["disk"]["tokens"] > 0  # and the K/V with them
+
+
+def test_a_sessions_next_turn_after_a_restart_reads_its_kv_from_disk(tiny_spec, state):
+    body = {"model": "tiny", "session_id": "kept", "temperature": 0}
+    with serve(tiny_spec, state) as client:
+        wait_ready(client)
+        messages = [{"role": "user", "content": "Hello"}]
+        first = client.post(CHAT, json={**body, "messages": messages})
+        assert first.status_code == 200, first.text
+    reply = {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}
+    messages += [reply, {"role": "user", "content": "Paris is"}]
+    with serve(tiny_spec, state) as client:
+        wait_ready(client)
+        again = client.post(CHAT, json={**body, "messages": messages})  # its first request after the restart
+        assert again.status_code == 200, again.text
+        assert again.headers["X-Cache-Source"] == "disk"  # the pool starts empty: its snapshot was read
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_response_continued_after_a_restart_reads_its_parents_kv_from_disk(tiny_spec, state):
+    body = {"model": "tiny", "temperature": 0, "max_output_tokens": 4}
+    with serve(tiny_spec, state) as client:
+        wait_ready(client)
+        parent = client.post("/v1/responses", json={**body, "input": "Hello world"})
+        assert parent.status_code == 200, parent.text
+    with serve(tiny_spec, state) as client:
+        wait_ready(client)
+        child = client.post(
+            "/v1/responses", json={**body, "input": "Paris is", "previous_response_id": parent.json()["id"]}
+        )
+        assert child.status_code == 200, child.text
+        assert child.headers["X-Cache-Source"] == "disk"
+        assert child.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0

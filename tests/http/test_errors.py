@@ -12,6 +12,7 @@ from server.app import create_app
 from server.settings import Settings
 from tests.helpers import DEADLINE_S, ask
 from tests.http.conftest import wait_ready
+from tests.http.test_responses import sse
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "Hello"}]
@@ -111,14 +112,49 @@ def test_unknown_route_is_enveloped(client):
     assert_error(client.get("/v1/nothing"), 404, "not_found")
 
 
-def test_request_timeout_is_504(tiny_spec):
-    app = create_app(Settings(request_timeout_s=0.05), specs=[tiny_spec])
-    with TestClient(app) as c:
+@pytest.fixture(scope="module")
+def timing_out(tiny_spec):
+    """An app whose requests all run past their time limit (a long reply takes the tiny model about a second)."""
+    with TestClient(create_app(Settings(request_timeout_s=0.05), specs=[tiny_spec])) as c:
         wait_ready(c)
-        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "session_id": "slow"}
-        assert_error(c.post("/v1/completions", json=body), 504, "request_timeout")
-        # The session keeps only complete turns: made by this first request, it goes with it
-        assert_error(c.get("/v1/sessions/slow"), 404, "session_not_found")
+        yield c
+
+
+LONG_REPLY = {"model": "tiny", "temperature": 0}  # with "Paris is", the tiny model runs on for hundreds of tokens
+
+
+def test_request_timeout_is_504(timing_out):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "session_id": "slow"}
+    assert_error(timing_out.post("/v1/completions", json=body), 504, "request_timeout")
+    # The session keeps only complete turns: made by this first request, it goes with it
+    assert_error(timing_out.get("/v1/sessions/slow"), 404, "session_not_found")
+
+
+def test_a_stored_response_that_times_out_is_504_and_leaves_no_record(timing_out):
+    body = {**LONG_REPLY, "input": "Paris is", "max_output_tokens": 3000, "store": True}
+    assert_error(timing_out.post("/v1/responses", json=body), 504, "request_timeout")
+    # Its record was made before the engine ran it; a failed response has nothing to continue from: gone
+    assert timing_out.app.state.host.store.counts().get("response", 0) == 0
+
+
+def test_a_streamed_response_that_times_out_ends_in_response_failed(timing_out):
+    body = {**LONG_REPLY, "input": "Paris is", "max_output_tokens": 3000, "stream": True}
+    with timing_out.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200  # admitted: the stream opened, and the time limit ended it later
+        kind, data = sse(r)[-1]
+    assert kind == data["type"] == "response.failed"
+    assert data["response"]["status"] == "failed"
+    assert data["response"]["error"]["code"] == "request_timeout"
+    assert timing_out.get(f"/v1/responses/{data['response']['id']}").status_code == 404
+
+
+def test_a_message_that_times_out_is_504_in_anthropics_envelope(timing_out):
+    body = {**LONG_REPLY, "max_tokens": 3000, "messages": [{"role": "user", "content": "Paris is"}]}
+    r = timing_out.post("/v1/messages", json=body)
+    assert r.status_code == 504, r.text
+    assert r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "timeout_error"
+    assert r.json()["error"]["code"] == "request_timeout"
 
 
 def test_failed_model_makes_ready_say_why_and_generation_503(tiny_spec, tmp_path):

@@ -208,6 +208,22 @@ def test_logprobs_shapes(client):
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
 
 
+def test_streamed_completion_logprobs_offset_into_the_text_sent_before(client):
+    """Each chunk's text_offset starts where the text of the chunks before it ends (OpenAI's legacy logprobs)."""
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "logprobs": 1, "ignore_eos": True, "temperature": 0}
+    with client.stream("POST", COMPLETIONS, json={**body, "stream": True}) as r:
+        events = sse_events(r)
+    sent, num_tokens = 0, 0
+    for choice in [e["choices"][0] for e in events[:-1]]:
+        lp = choice["logprobs"]
+        if lp is not None:
+            assert lp["text_offset"][0] == sent, (choice, sent)
+            num_tokens += len(lp["tokens"])
+        sent += len(choice["text"])
+    assert num_tokens == 12
+    assert sent > 0
+
+
 def test_models_health_ready(client):
     ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert ids == ["tiny", "tiny-twin"]

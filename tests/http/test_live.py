@@ -7,7 +7,9 @@ import contextlib
 
 import httpx
 
+from server.settings import Settings
 from tests.helpers import DEADLINE_S, wait_until, wait_until_async
+from tests.http.conftest import serve_live
 
 LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
@@ -34,6 +36,20 @@ def test_streaming_disconnect_stops_generation(live):
     assert httpx.get(base + "/v1/sessions/sd").status_code == 404
     again = httpx.post(base + "/v1/completions", json={**LONG, "max_tokens": 2, "session_id": "sd"}, timeout=120)
     assert again.status_code == 200, again.text
+
+
+def test_a_stream_left_unread_is_stopped_by_its_disconnect_alone(tiny_spec):
+    """Without a limit on unread events (which ends a stream nobody reads), only the disconnect ends this one."""
+    with serve_live([tiny_spec], Settings(max_unread_events=100_000)) as (base, engine):
+        start = engine.counter.num_decode_tokens
+        body = {**LONG, "stream": True, "session_id": "unread"}
+        with httpx.Client() as client, client.stream("POST", base + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for _ in range(5):
+                next(lines)
+        stopped = settled_counter(engine)
+        assert stopped - start < 4000 - 1  # it did not run to max_tokens
+        assert httpx.get(base + "/v1/sessions/unread").status_code == 404  # nor made a turn
 
 
 async def test_non_streaming_disconnect_stops_generation(live):

@@ -152,6 +152,36 @@ def test_cache_writes_end_at_the_last_breakpoint_and_carry_its_ttl(claude, live)
         )
 
 
+def test_a_breakpoint_whose_prefix_renders_longer_than_the_prompt_claims_no_more_than_the_prompt(live):
+    """A session's turn continues its transcript token-exactly; its breakpoint's prefix is rendered afresh, where the
+    tiny model's reply (bytes cut mid-character, read back as U+FFFD) takes more tokens than it did. Every prompt
+    token is still counted once, and none is counted twice."""
+    base, engine = live
+    messages = [{"role": "user", "content": "Hello"}]
+    body = {"model": "tiny", "temperature": 0, "session_id": "claude-long-prefix"}
+    first = httpx.post(base + "/v1/messages", json={**body, "max_tokens": 40, "messages": messages}, timeout=TIMEOUT)
+    assert first.status_code == 200, first.text
+    reply = first.json()["content"][0]["text"]
+    mark = {"type": "ephemeral"}
+    messages += [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": [{"type": "text", "text": "Paris is", "cache_control": mark}]},
+    ]
+    second = httpx.post(base + "/v1/messages", json={**body, "max_tokens": 2, "messages": messages}, timeout=TIMEOUT)
+    assert second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    transcript = engine.store.view(SessionKey("default", "claude-long-prefix")).transcript_ids
+    num_prompt = len(transcript) - usage["output_tokens"]
+    chat = [*messages[:2], {"role": "user", "content": "Paris is"}]
+    marked = httpx.post(
+        base + "/tokenize", json={"model": "tiny", "messages": chat, "add_generation_prompt": False}, timeout=TIMEOUT
+    ).json()["count"]
+    assert marked > num_prompt  # the case itself: the prefix up to the breakpoint, rendered, is the longer
+    assert usage["cache_read_input_tokens"] > 0  # the first turn's K/V
+    assert usage["input_tokens"] >= 0
+    assert usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"] + usage["input_tokens"] == num_prompt
+
+
 def test_max_tokens_zero_warms_the_cache(claude):
     client, _ = claude
     system = "You answer in French, briefly and politely, always. " * 4

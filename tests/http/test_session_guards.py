@@ -151,6 +151,15 @@ def test_a_refused_request_leaves_no_session_behind(guarded):
     assert info["expires_at"] - info["last_used_at"] == pytest.approx(3600, abs=2)  # the breakpoint's ttl
 
 
+def test_a_new_session_made_by_a_breakpoint_takes_its_ttl(guarded):
+    # The store's own TTL is an hour (so a 1h breakpoint would look the same): 5m shows the breakpoint made it
+    mark = {"cache_control": {"type": "ephemeral", "ttl": "5m"}}
+    made = send(guarded, "five", [{"role": "user", "content": "Hello"}], 1, **mark)
+    assert made.status_code == 200, made.text
+    info = guarded.get("/v1/sessions/five").json()
+    assert info["expires_at"] - info["last_used_at"] == pytest.approx(300, abs=2)
+
+
 def test_a_response_the_engine_refuses_leaves_no_stored_response(guarded):
     # The record of a stored response is made before the engine sees the turn; refused at submit (a prompt the
     # pool cannot hold), it is taken away again: nothing to fetch, nothing to continue from.
@@ -161,6 +170,18 @@ def test_a_response_the_engine_refuses_leaves_no_stored_response(guarded):
     kept = guarded.post("/v1/responses", json={**body, "input": "Hello"})
     assert kept.status_code == 200, kept.text
     assert store(guarded).counts().get("response", 0) == 1
+
+
+def test_a_stored_response_past_the_tenants_kv_quota_is_429_and_not_kept(tiny_spec):
+    # Its record holds its K/V like a session's: checked before it is made. Not stored, nothing is held: it runs.
+    with TestClient(create_app(Settings(max_tenant_kv_bytes=1), specs=[tiny_spec])) as c:
+        wait_ready(c)
+        body = {"model": "tiny", "input": "Hello", "max_output_tokens": 2, "temperature": 0}
+        r = c.post("/v1/responses", json={**body, "store": True})
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "quota_exceeded"
+        assert store(c).counts().get("response", 0) == 0
+        assert c.post("/v1/responses", json={**body, "store": False}).status_code == 200
 
 
 def test_the_session_quota_counts_sessions_made_by_messages(guarded):
