@@ -70,10 +70,18 @@ class ForwardCounter:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, budget_bytes: int, block_size: int, compile_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        budget_bytes: int,
+        block_size: int,
+        compile_dir: str | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`kv_dtype`: the quantized format the pool stores K/V in (None: the compute dtype)."""
         self.model = loaded.model
         self.device = loaded.device
-        self.layout = KVLayout.of(loaded.model.config, loaded.dtype)
+        self.layout = KVLayout.of(loaded.model.config, loaded.dtype, kv_dtype)
         num_blocks = max(1, budget_bytes // (self.layout.bytes_per_token * block_size))
         self.pool = KVPool(self.layout, num_blocks, block_size, loaded.device)
         self.digests = loaded.digests or ModelDigests.of_loaded(loaded.model, loaded.tokenizer)
@@ -83,9 +91,14 @@ class ModelRunner:
         self.uses_kernel = loaded.device.type == "cpu" and kernels.paged_decode_available()
         # Cascade attention (long decode rows: a batched head, the kernel for the rest) needs layers without a
         # window or softcap; the kernel would take such rows whole, slower than SDPA.
-        self.uses_heads = self.uses_kernel and not {"sliding_window", "softcap"} & attention_inputs(loaded.model)
-        self.lone_rows = SDPA  # how a lone long decode row attends: timed below where there is a choice
-        if self.uses_kernel:
+        # A quantized pool: every decode row goes to the kernel, which dequantizes the keys it reads (heads and SDPA
+        # would dequantize whole contexts first), and prefill chunks attend over their dequantized context.
+        quantized = self.layout.is_quantized
+        self.uses_heads = (
+            self.uses_kernel and not quantized and not {"sliding_window", "softcap"} & attention_inputs(loaded.model)
+        )
+        self.lone_rows = KERNEL if self.uses_kernel and quantized else SDPA  # a lone long decode row's way
+        if self.uses_kernel and not quantized:  # timed where there is a choice
             text = loaded.model.config.get_text_config(decoder=True)
             route: LoneRowRoute = time_lone_row(self.pool, int(text.num_attention_heads))
             self.lone_rows = (
