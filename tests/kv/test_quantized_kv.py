@@ -187,3 +187,37 @@ async def test_a_session_served_from_the_pool_or_a_tier_continues_as_computed_af
         engine.stop()
         fresh.stop()
         tiers.close()
+
+
+def test_models_toml_names_a_k_v_dtype_or_is_refused(tmp_path):
+    from server.models.loader import read_specs
+
+    path = tmp_path / "models.toml"
+    path.write_text('[[models]]\nid = "m"\nsource = "x"\nkv_dtype = "int8"\n')
+    assert read_specs(path)[0].kv_dtype == "int8"
+    path.write_text('[[models]]\nid = "m"\nsource = "x"\nkv_dtype = "int4"\n')
+    with pytest.raises(ValueError, match="kv_dtype 'int4'"):
+        read_specs(path)
+
+
+def test_the_server_setting_applies_where_the_model_names_none(tiny_spec):
+    import dataclasses
+
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import Settings
+    from tests.http.conftest import wait_ready
+
+    own = dataclasses.replace(tiny_spec, id="own", kv_dtype="fp8")
+    with TestClient(create_app(Settings(kv_dtype="int8"), specs=[tiny_spec, own])) as client:
+        wait_ready(client)
+        engines = client.app.state.host.engines
+        assert engines["tiny"].runner.pool.k[0].dtype == torch.int8
+        assert engines["own"].runner.pool.k[0].dtype == torch.float8_e4m3fn
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        for sid in ("s", "s"):  # a session's second turn reads its quantized K/V from the pool
+            reply = client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": sid})
+            assert reply.status_code == 200, reply.text
+            body["messages"] += [reply.json()["choices"][0]["message"], {"role": "user", "content": "More"}]
+        assert reply.headers["X-Cache"] in ("hit", "partial")
