@@ -172,8 +172,8 @@ def turn_ms(config: Any, dtype: torch.dtype, repeats: int = 5) -> float:
     def step(rows: int) -> float:
         # Each layer's own input width: hidden, the MLP's inner size, and heads x head_dim for the output
         # projection (Gemma-3's differs from hidden)
-        inputs = {w.in_features: torch.randn((rows, w.in_features), dtype=dtype) for w in weights}
-        layer = _median_s(lambda: [w(inputs[w.in_features]) for w in weights], repeats)
+        inputs = {width: torch.randn((rows, width), dtype=dtype) for _, width in shapes}
+        layer = _median_s(lambda: [w(inputs[width]) for w, (_, width) in zip(weights, shapes, strict=True)], repeats)
         last = torch.randn((1, hidden), dtype=dtype)  # logits of the sampled position only
         lm_head = _median_s(lambda: head(last), repeats) * vocab / head_rows
         return layers * layer + lm_head
