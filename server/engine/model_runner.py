@@ -94,9 +94,8 @@ class ModelRunner:
         # A quantized pool: every decode row goes to the kernel, which dequantizes the keys it reads (heads and SDPA
         # would dequantize whole contexts first), and prefill chunks attend over their dequantized context.
         quantized = self.layout.is_quantized
-        self.uses_heads = (
-            self.uses_kernel and not quantized and not {"sliding_window", "softcap"} & attention_inputs(loaded.model)
-        )
+        plain_layers = not {"sliding_window", "softcap"} & attention_inputs(loaded.model)
+        self.uses_heads = self.uses_kernel and not quantized and plain_layers
         self.lone_rows = KERNEL if self.uses_kernel and quantized else SDPA  # a lone long decode row's way
         if self.uses_kernel and not quantized:  # timed where there is a choice
             text = loaded.model.config.get_text_config(decoder=True)
@@ -110,7 +109,11 @@ class ModelRunner:
         # Prefill chunks: the paged prefill kernel where it serves this pool and was timed faster than SDPA (layers
         # without window or softcap, as for heads).
         self.prefill_kernel = False
-        if self.uses_heads and kernels.paged_prefill_available(self.layout.dtype, self.layout.head_dim):
+        if quantized and self.uses_kernel and plain_layers:
+            # Over a quantized pool the alternative is SDPA with a mask over the dequantized context, measured here
+            # 20x slower than the kernel over a dequantized copy of the chunk's blocks (bench/kv_dtype.py)
+            self.prefill_kernel = kernels.paged_prefill_available(self.layout.dtype, self.layout.head_dim)
+        elif self.uses_heads and kernels.paged_prefill_available(self.layout.dtype, self.layout.head_dim):
             text = loaded.model.config.get_text_config(decoder=True)
             prefill = time_prefill(self.pool, int(text.num_attention_heads))
             self.prefill_kernel = prefill.way == KERNEL
@@ -259,10 +262,19 @@ class ModelRunner:
     def _prefill_rows(self, chunks: list[tuple[int, int, int, list[int]]]) -> PrefillRows:
         bs = self.pool.block_size
         width = max(-(-ctx // bs) for _, _, ctx, _ in chunks)
-        tables = [table[:width] + [0] * (width - len(table[:width])) for _, _, _, table in chunks]
+        used = [table[: -(-ctx // bs)] for _, _, ctx, table in chunks]
+        slots = None
+        if self.layout.is_quantized:  # the kernel reads a dequantized copy of these blocks: tables count in it
+            order: dict[int, int] = {}
+            for table in used:
+                for block in table:
+                    order.setdefault(block, len(order))
+            used = [[order[block] for block in table] for table in used]
+            slots = self._long(self.pool.slot_ids(list(order), 0, len(order) * bs))
+        tables = [table + [0] * (width - len(table)) for table in used]
         int32 = self._int32
         starts, lens, ctxs = int32([c[0] for c in chunks]), int32([c[1] for c in chunks]), int32([c[2] for c in chunks])
-        return PrefillRows(starts, lens, ctxs, int32(tables))
+        return PrefillRows(starts, lens, ctxs, int32(tables), slots)
 
     def _int32(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)

@@ -119,6 +119,9 @@ class PrefillRows:
     q_lens: torch.Tensor  # [N] its tokens
     context_lens: torch.Tensor  # [N] its keys, its own tokens last
     block_tables: torch.Tensor  # [N, max blocks] its blocks in order (padded with 0)
+    # A quantized pool: the slots of the blocks the tables name, block i of the tables being the i-th run of
+    # block_size slots here (the kernel reads them dequantized, a copy per layer)
+    slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -236,10 +239,11 @@ def _paged(
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
     if step.prefill is not None:
         p = step.prefill
+        k_read, v_read = (k_pool, v_pool) if p.slots is None else pool.read(layer, 0, 0, p.slots)
         torch.ops.kvserve.paged_prefill(
             query[0].transpose(0, 1),  # [T, H, D], a view
-            k_pool,
-            v_pool,
+            k_read,
+            v_read,
             out,
             p.q_starts,
             p.q_lens,

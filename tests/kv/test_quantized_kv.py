@@ -8,6 +8,8 @@ restored from a tier equals the same prompt computed afresh in the same K/V dtyp
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -221,3 +223,59 @@ def test_the_server_setting_applies_where_the_model_names_none(tiny_spec):
             assert reply.status_code == 200, reply.text
             body["messages"] += [reply.json()["choices"][0]["message"], {"role": "user", "content": "More"}]
         assert reply.headers["X-Cache"] in ("hit", "partial")
+
+
+@pytest.fixture(scope="module")
+def wide_bf16(tmp_path_factory):
+    """A tiny Llama with head size 64 in bf16: the shapes the paged prefill kernel serves."""
+    from pathlib import Path
+
+    from server.models.loader import ModelSpec, load_model
+    from tests.tiny import build_model, build_tokenizer
+
+    directory = tmp_path_factory.mktemp("wide-heads")
+    tokenizer = build_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    build_model(len(tokenizer), eos, hidden_size=256, intermediate_size=256).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    spec = ModelSpec(id="wide", source=str(directory), dtype="bfloat16", device="cpu", max_context=4096)
+    return load_model(spec, Path("unused"))
+
+
+@pytest.mark.skipif(not kernels.paged_prefill_available(torch.bfloat16, 64), reason="no AVX512-BF16 prefill kernel")
+async def test_prefill_chunks_over_a_quantized_pool_read_their_blocks_through_the_kernel(wide_bf16, monkeypatch):
+    """Two prompts prefilled side by side in 8-token chunks on an int8 pool: the kernel reads a dequantized copy of
+    the blocks each chunk's table names (renumbered), and answers as SDPA over the same dequantized keys does, up
+    to bf16 rounding; a chunk that read another's blocks would be off by units."""
+    prompts = [
+        words(wide_bf16, "The quick brown fox jumps over the lazy dog. " * 6),
+        words(wide_bf16, "Paris is the capital of France; Berlin is the capital of Germany. " * 3),
+    ]
+    results, seen = {}, {}
+    for use_kernel in (True, False):
+        engine = make_engine(wide_bf16, budget_bytes=4 << 20, block_size=4, max_batch_tokens=8, kv_dtype="int8")
+        assert engine.runner.prefill_kernel  # on a quantized pool too
+        engine.runner.prefill_kernel = use_kernel
+        calls = seen.setdefault(use_kernel, [])
+        prepare = engine.runner._prepare
+
+        def spy(rows, prepare=prepare, calls=calls):
+            meta, *rest = prepare(rows)
+            if meta.prefill is not None:
+                assert meta.prefill.slots is not None
+                calls.append(meta.prefill.q_starts.numel())
+            return (meta, *rest)
+
+        monkeypatch.setattr(engine.runner, "_prepare", spy)
+        try:
+            results[use_kernel] = await asyncio.gather(
+                *(run(engine, p, rid=f"r{i}", max_tokens=1, num_logprobs=5) for i, p in enumerate(prompts))
+            )
+        finally:
+            engine.stop()
+    assert max(seen[True]) == 2  # both prompts' chunks in one call
+    assert seen[False] == []  # spans
+    for with_kernel, with_sdpa in zip(results[True], results[False], strict=True):
+        assert with_kernel.token_ids == with_sdpa.token_ids
+        sdpa = dict(with_sdpa.logprobs[0].top)
+        assert max(abs(lp - sdpa[t]) for t, lp in with_kernel.logprobs[0].top if t in sdpa) < 0.3
