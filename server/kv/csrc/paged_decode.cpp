@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -61,6 +62,16 @@ inline void load<c10::BFloat16, float>(float* dst, const c10::BFloat16* src, int
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is fp32's top half
 }
 
+// The value of every fp8 e4m3 bit pattern, built once.
+inline const float* fp8_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
 template <typename cache_t>
 constexpr bool kQuantized = std::is_same_v<cache_t, int8_t> || std::is_same_v<cache_t, c10::Float8_e4m3fn>;
 
@@ -77,8 +88,10 @@ inline void load_rows(acc_t* dst, const cache_t* src, int64_t n, int64_t dim, in
       if constexpr (std::is_same_v<cache_t, int8_t>) {
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<acc_t>(static_cast<float>(row[d]) * scale);
-      } else {
-        for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<acc_t>(static_cast<float>(row[d]) * scale);
+      } else {  // fp8: each of the 256 bit patterns' value looked up (c10's conversion is bit by bit, per value)
+        const uint8_t* bits = reinterpret_cast<const uint8_t*>(row);
+        const float* values = fp8_values();
+        for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<acc_t>(values[bits[d]] * scale);
       }
     }
   } else {
