@@ -26,6 +26,7 @@ OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or th
     "--max-queue": "max_queue",
     "--prefix-caching": "prefix_caching",
     "--compile": "compile",
+    "--kv-dtype": "kv_dtype",
     "--session-ttl-s": "session_ttl_s",
     "--default-max-tokens": "default_max_tokens",
     "--request-timeout-s": "request_timeout_s",

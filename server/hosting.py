@@ -181,7 +181,10 @@ class ModelHost:
             free = _free_cuda(loaded.device) if loaded.device.type == "cuda" else None
             budget = default_kv_budget(loaded.device.type, free, _total_ram())
         compile_dir = str(s.cache_dir) if s.compile else None
-        return EngineConfig(budget, s.block_size, s.max_batch_tokens, s.max_queue, s.prefix_caching, compile_dir)
+        kv_dtype = loaded.spec.kv_dtype or s.kv_dtype
+        return EngineConfig(
+            budget, s.block_size, s.max_batch_tokens, s.max_queue, s.prefix_caching, compile_dir, kv_dtype
+        )
 
 
 def resolve_specs(settings: Settings) -> list[ModelSpec]:

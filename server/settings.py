@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -34,6 +35,12 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(256, ge=1, description="tokens per engine step (decode tokens + prefill chunks)")
     max_queue: int = Field(64, ge=1, description="requests waiting for K/V blocks; more answer 429")
     prefix_caching: bool = Field(True, description="share and keep K/V blocks by prefix (false: recompute all)")
+    kv_dtype: Literal["auto", "compute", "int8", "fp8"] = Field(
+        "auto",
+        description="how K/V is stored, for models whose models.toml entry does not say: compute (the model's "
+        "dtype), int8 or fp8 (e4m3: 8 bits with a scale per token and kv head, about half the bytes of bf16); auto: "
+        "the compute dtype (docs/benchmarks.md, 'Quantized K/V', measures what the 8-bit ones cost)",
+    )
     compile: bool = Field(
         False,
         description="compile each CPU model's dense part with torch.compile at start (a minute or two the first "

@@ -13,3 +13,4 @@ class EngineConfig:
     max_queue: int = 64  # requests waiting for blocks; more are refused (429)
     is_prefix_caching: bool = True  # share and keep K/V blocks by prefix
     compile_dir: str | None = None  # compile the model (CPU), its artifacts kept here; None: eager
+    kv_dtype: str = "auto"  # how the pool stores K/V: auto | compute | int8 | fp8 (server/kv/pool.py)

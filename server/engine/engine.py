@@ -24,6 +24,7 @@ from server.engine.request import EngineBusy, EngineStopped, GenerationRequest, 
 from server.engine.scheduler import Scheduler
 from server.kv.blocks import BlockManager, BooksBusy, Residency
 from server.kv.offload import Offloader
+from server.kv.pool import stored_dtype
 from server.kv.tiers import TierStore
 from server.models.loader import LoadedModel
 from server.sessions.index import Reach
@@ -38,7 +39,8 @@ T = TypeVar("T")
 class Engine:
     def __init__(self, loaded: LoadedModel, store: SessionStore, tiers: TierStore, config: EngineConfig) -> None:
         self.loaded, self.model_id, self.store, self.config = loaded, loaded.spec.id, store, config
-        self.runner = ModelRunner(loaded, config.budget_bytes, config.block_size, config.compile_dir)
+        kv_dtype = stored_dtype(config.kv_dtype, loaded.dtype, loaded.device)
+        self.runner = ModelRunner(loaded, config.budget_bytes, config.block_size, config.compile_dir, kv_dtype)
         self.fingerprint = self.runner.fingerprint
         self.token_bytes = self.runner.layout.bytes_per_token
         self.block_bytes = self.token_bytes * config.block_size

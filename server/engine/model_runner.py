@@ -70,10 +70,18 @@ class ForwardCounter:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, budget_bytes: int, block_size: int, compile_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        budget_bytes: int,
+        block_size: int,
+        compile_dir: str | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`kv_dtype`: the quantized format the pool stores K/V in (None: the compute dtype)."""
         self.model = loaded.model
         self.device = loaded.device
-        self.layout = KVLayout.of(loaded.model.config, loaded.dtype)
+        self.layout = KVLayout.of(loaded.model.config, loaded.dtype, kv_dtype)
         num_blocks = max(1, budget_bytes // (self.layout.bytes_per_token * block_size))
         self.pool = KVPool(self.layout, num_blocks, block_size, loaded.device)
         self.digests = loaded.digests or ModelDigests.of_loaded(loaded.model, loaded.tokenizer)
@@ -83,9 +91,13 @@ class ModelRunner:
         self.uses_kernel = loaded.device.type == "cpu" and kernels.paged_decode_available()
         # Cascade attention (long decode rows: a batched head, the kernel for the rest) needs layers without a
         # window or softcap; the kernel would take such rows whole, slower than SDPA.
-        self.uses_heads = self.uses_kernel and not {"sliding_window", "softcap"} & attention_inputs(loaded.model)
-        self.lone_rows = SDPA  # how a lone long decode row attends: timed below where there is a choice
-        if self.uses_kernel:
+        # A quantized pool: every decode row goes to the kernel, which dequantizes the keys it reads (heads and SDPA
+        # would dequantize whole contexts first), and prefill chunks attend over their dequantized context.
+        quantized = self.layout.is_quantized
+        plain_layers = not {"sliding_window", "softcap"} & attention_inputs(loaded.model)
+        self.uses_heads = self.uses_kernel and not quantized and plain_layers
+        self.lone_rows = KERNEL if self.uses_kernel and quantized else SDPA  # a lone long decode row's way
+        if self.uses_kernel and not quantized:  # timed where there is a choice
             text = loaded.model.config.get_text_config(decoder=True)
             route: LoneRowRoute = time_lone_row(self.pool, int(text.num_attention_heads))
             self.lone_rows = (
@@ -97,7 +109,11 @@ class ModelRunner:
         # Prefill chunks: the paged prefill kernel where it serves this pool and was timed faster than SDPA (layers
         # without window or softcap, as for heads).
         self.prefill_kernel = False
-        if self.uses_heads and kernels.paged_prefill_available(self.layout.dtype, self.layout.head_dim):
+        if quantized and self.uses_kernel and plain_layers:
+            # Over a quantized pool the alternative is SDPA with a mask over the dequantized context, measured here
+            # 20x slower than the kernel over a dequantized copy of the chunk's blocks (bench/kv_dtype.py)
+            self.prefill_kernel = kernels.paged_prefill_available(self.layout.dtype, self.layout.head_dim)
+        elif self.uses_heads and kernels.paged_prefill_available(self.layout.dtype, self.layout.head_dim):
             text = loaded.model.config.get_text_config(decoder=True)
             prefill = time_prefill(self.pool, int(text.num_attention_heads))
             self.prefill_kernel = prefill.way == KERNEL
@@ -246,10 +262,19 @@ class ModelRunner:
     def _prefill_rows(self, chunks: list[tuple[int, int, int, list[int]]]) -> PrefillRows:
         bs = self.pool.block_size
         width = max(-(-ctx // bs) for _, _, ctx, _ in chunks)
-        tables = [table[:width] + [0] * (width - len(table[:width])) for _, _, _, table in chunks]
+        used = [table[: -(-ctx // bs)] for _, _, ctx, table in chunks]
+        slots = None
+        if self.layout.is_quantized:  # the kernel reads a dequantized copy of these blocks: tables count in it
+            order: dict[int, int] = {}
+            for table in used:
+                for block in table:
+                    order.setdefault(block, len(order))
+            used = [[order[block] for block in table] for table in used]
+            slots = self._long(self.pool.slot_ids(list(order), 0, len(order) * bs))
+        tables = [table + [0] * (width - len(table)) for table in used]
         int32 = self._int32
         starts, lens, ctxs = int32([c[0] for c in chunks]), int32([c[1] for c in chunks]), int32([c[2] for c in chunks])
-        return PrefillRows(starts, lens, ctxs, int32(tables))
+        return PrefillRows(starts, lens, ctxs, int32(tables), slots)
 
     def _int32(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)

@@ -119,6 +119,9 @@ class PrefillRows:
     q_lens: torch.Tensor  # [N] its tokens
     context_lens: torch.Tensor  # [N] its keys, its own tokens last
     block_tables: torch.Tensor  # [N, max blocks] its blocks in order (padded with 0)
+    # A quantized pool: the slots of the blocks the tables name, block i of the tables being the i-th run of
+    # block_size slots here (the kernel reads them dequantized, a copy per layer)
+    slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -230,16 +233,17 @@ def _paged(
     softcap: float | None,
 ) -> torch.Tensor:
     """The step's attention for one layer: the new K/V into their slots, then each row over its keys."""
-    k_pool, v_pool = step.pool.k[layer], step.pool.v[layer]  # [kvH, S, D]
-    k_pool.index_copy_(1, step.slot_mapping, key[0].to(k_pool.dtype))
-    v_pool.index_copy_(1, step.slot_mapping, value[0].to(v_pool.dtype))
+    pool = step.pool
+    k_pool, v_pool = pool.k[layer], pool.v[layer]  # [kvH, S, D] (quantized: [kvH, S, D + 4] rows with a scale)
+    pool.write(layer, step.slot_mapping, key[0], value[0])
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
     if step.prefill is not None:
         p = step.prefill
+        k_read, v_read = (k_pool, v_pool) if p.slots is None else pool.read(layer, 0, 0, p.slots)
         torch.ops.kvserve.paged_prefill(
             query[0].transpose(0, 1),  # [T, H, D], a view
-            k_pool,
-            v_pool,
+            k_read,
+            v_read,
             out,
             p.q_starts,
             p.q_lens,
@@ -272,12 +276,8 @@ def _paged(
         )
     for span in step.spans:
         lo, hi = span.keys(sliding_window)
-        if span.ctx_slots is None:
-            k = k_pool[:, span.first_slot + lo : span.first_slot + hi]  # a view: no copy
-            v = v_pool[:, span.first_slot + lo : span.first_slot + hi]
-        else:
-            k = k_pool.index_select(1, span.ctx_slots[lo:hi])
-            v = v_pool.index_select(1, span.ctx_slots[lo:hi])
+        slots = None if span.ctx_slots is None else span.ctx_slots[lo:hi]
+        k, v = pool.read(layer, span.first_slot + lo, span.first_slot + hi, slots)  # contiguous: a view, no copy
         q = query[:, :, span.q_start : span.q_start + span.q_len]  # [1, H, q, D]
         o = attend(q, k.unsqueeze(0), v.unsqueeze(0), span.mask(sliding_window), scale, softcap)
         out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)

@@ -4,8 +4,9 @@ A `Snapshot` holds per-layer host tensors [kv_heads, tokens, head_dim] for a pre
 transcript. Below host RAM the K/V is kept a block at a time (`server/kv/block_store.py`), and
 every backend of the block store (a disk directory, Redis) holds the same bytes per block: a
 safetensors document (never pickle) with one tensor `kv` [2, layers, kv_heads, tokens,
-head_dim] (K then V) and a header naming the format and its version, the block's content
-address and a SHA-256 of the tensor's bytes: equal blocks are equal bytes. A value that fails
+head_dim] (K then V; a quantized pool's rows as it stores them, head_dim values and their scale)
+and a header naming the format and its version, the block's content address, the K/V dtype it
+is stored in and a SHA-256 of the tensor's bytes: equal blocks are equal bytes. A value that fails
 any check (truncated, flipped, another format or version, stored under another address,
 another shape) decodes to None and its tokens are recomputed, never served.
 """
@@ -64,9 +65,11 @@ def _digest(tensor: torch.Tensor) -> str:
 
 
 def encode_block(address: str, k: list[torch.Tensor], v: list[torch.Tensor]) -> bytes:
-    """One block's K and V (per layer [kv_heads, tokens, head_dim]) as the bytes every backend stores."""
-    kv = torch.stack([torch.stack(k), torch.stack(v)])  # [2, layers, kv_heads, tokens, head_dim], one copy
-    header = {"version": VERSION, "address": address, "sha256": _digest(kv)}
+    """One block's K and V (per layer [kv_heads, tokens, row], as the pool stores them) as the bytes every backend
+    stores."""
+    kv = torch.stack([torch.stack(k), torch.stack(v)])  # [2, layers, kv_heads, tokens, row], one copy
+    kv_dtype = str(kv.dtype).removeprefix("torch.")
+    header = {"version": VERSION, "address": address, "kv_dtype": kv_dtype, "sha256": _digest(kv)}
     # One metadata entry, its keys sorted: safetensors stores a map in no fixed order, and equal blocks should be
     # equal bytes wherever they are kept.
     return bytes(save_tensors({"kv": kv}, metadata={FORMAT: json.dumps(header, sort_keys=True)}))
@@ -85,9 +88,12 @@ def decode_block(address: str, value: bytes, layout: KVLayout) -> torch.Tensor |
             raise ValueError(f"version {header.get('version')!r}, this server reads {VERSION!r}")
         if header.get("address") != address:
             raise ValueError("stored under another address")
+        stored = str(layout.storage_dtype).removeprefix("torch.")
+        if header.get("kv_dtype", str(layout.dtype).removeprefix("torch.")) != stored:
+            raise ValueError(f"K/V stored as {header.get('kv_dtype')}, this pool's is {stored}")
         kv: torch.Tensor = load_tensors(value)["kv"]
-        expected = (2, layout.num_layers, layout.num_kv_heads, layout.head_dim)
-        if kv.dtype != layout.dtype or kv.dim() != 5 or (*kv.shape[:3], kv.shape[4]) != expected:
+        expected = (2, layout.num_layers, layout.num_kv_heads, layout.row_width)
+        if kv.dtype != layout.storage_dtype or kv.dim() != 5 or (*kv.shape[:3], kv.shape[4]) != expected:
             raise ValueError(f"shape {tuple(kv.shape)} {kv.dtype}, not this model's K/V")
         if _digest(kv) != header.get("sha256"):
             raise ValueError("checksum mismatch")

@@ -170,10 +170,11 @@ def turn_ms(config: Any, dtype: torch.dtype, repeats: int = 5) -> float:
     layers = int(text.num_hidden_layers)
 
     def step(rows: int) -> float:
-        x = torch.randn((rows, hidden), dtype=dtype)
-        inner = torch.randn((rows, inter), dtype=dtype)
-        layer = _median_s(lambda: [w(inner if w.in_features == inter else x) for w in weights], repeats)
-        last = x[-1:]  # logits of the sampled position only
+        # Each layer's own input width: hidden, the MLP's inner size, and heads x head_dim for the output
+        # projection (Gemma-3's differs from hidden)
+        inputs = {width: torch.randn((rows, width), dtype=dtype) for _, width in shapes}
+        layer = _median_s(lambda: [w(inputs[width]) for w, (_, width) in zip(weights, shapes, strict=True)], repeats)
+        last = torch.randn((1, hidden), dtype=dtype)  # logits of the sampled position only
         lm_head = _median_s(lambda: head(last), repeats) * vocab / head_rows
         return layers * layer + lm_head
 

@@ -27,6 +27,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 log = logging.getLogger("kvserve.registry")
+KV_DTYPE_NAMES = ("auto", "compute", "int8", "fp8")  # how K/V may be stored (server/kv/pool.py)
 DTYPE_MEMO = "dtype-choices.json"  # in the cache dir: what `dtype: auto` measured on this machine
 
 
@@ -42,6 +43,7 @@ class ModelSpec:
     device: str = "auto"
     max_context: int | None = None
     chat_template: str | None = None  # a template string, or a file path
+    kv_dtype: str | None = None  # how its K/V is stored: auto | compute | int8 | fp8 (None: the server's setting)
     base_dir: str = "."  # where relative paths in this spec start
 
 
@@ -69,6 +71,9 @@ def read_specs(models_file: Path) -> list[ModelSpec]:
         unknown = set(raw) - set(ModelSpec.__slots__)
         if unknown:
             raise ValueError(f"{models_file}: unknown keys {sorted(unknown)} in model {raw.get('id')!r}")
+        if raw.get("kv_dtype", "auto") not in KV_DTYPE_NAMES:
+            raise ValueError(f"{models_file}: kv_dtype {raw['kv_dtype']!r} in model {raw.get('id')!r} is not one of "
+                             f"{', '.join(KV_DTYPE_NAMES)}")  # fmt: skip
         specs.append(ModelSpec(**raw, base_dir=str(models_file.parent)))
     if not specs:
         raise ValueError(f"{models_file}: no [[models]] entries")

@@ -58,6 +58,11 @@ def test_a_turn_is_measured_on_the_model_shapes(dtype):
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no oneDNN bf16 kernels on this CPU")
     assert 0 < turn_ms(tiny_config(), dtype, repeats=1) < 60_000
+    # Heads x head_dim other than the hidden size (Gemma-3 270M: 4 x 256 against 640): the output projection's
+    # input is the attention's width, not the hidden size.
+    wide = tiny_config()
+    wide.head_dim = 3 * wide.hidden_size // wide.num_attention_heads
+    assert 0 < turn_ms(wide, dtype, repeats=1) < 60_000
 
 
 def test_a_measurement_is_kept_for_later_starts_on_this_machine(monkeypatch, tmp_path):

@@ -7,7 +7,8 @@
 // value once. The new token's own K/V must already be in the pool (the caller writes it first).
 //
 //   query        [T, H, D]       the packed row's queries (any strides; D contiguous)
-//   k_pool/v_pool [kvH, S, D]    the layer's pool (contiguous)
+//   k_pool/v_pool [kvH, S, D]    the layer's pool (contiguous), in the query's dtype; or quantized (int8, fp8 e4m3)
+//                 [kvH, S, D + 4] rows: D values then their float32 scale (server/kv/pool.py), dequantized as read
 //   out          [T, H, D]       written at the decode rows only (D contiguous)
 //   rows         [B] int32       which rows of the packed row are decode rows
 //   block_tables [B, M] int32    each decode row's blocks, in order
@@ -32,8 +33,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -57,6 +60,43 @@ inline void load<c10::BFloat16, float>(float* dst, const c10::BFloat16* src, int
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;  // bf16 is fp32's top half
+}
+
+// The value of every fp8 e4m3 bit pattern, built once.
+inline const float* fp8_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+template <typename cache_t>
+constexpr bool kQuantized = std::is_same_v<cache_t, int8_t> || std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+
+// n rows of the pool as `dim` values each, in the accumulation type. A quantized row is `dim` values and its
+// float32 scale (`width` = dim + 4 elements): each value times its row's scale. Otherwise rows are contiguous.
+template <typename cache_t, typename acc_t>
+inline void load_rows(acc_t* dst, const cache_t* src, int64_t n, int64_t dim, int64_t width) {
+  if constexpr (kQuantized<cache_t>) {
+    for (int64_t j = 0; j < n; ++j) {
+      const cache_t* row = src + j * width;
+      float scale;
+      std::memcpy(&scale, row + dim, sizeof(float));
+      acc_t* out = dst + j * dim;
+      if constexpr (std::is_same_v<cache_t, int8_t>) {
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<acc_t>(static_cast<float>(row[d]) * scale);
+      } else {  // fp8: each of the 256 bit patterns' value looked up (c10's conversion is bit by bit, per value)
+        const uint8_t* bits = reinterpret_cast<const uint8_t*>(row);
+        const float* values = fp8_values();
+        for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<acc_t>(values[bits[d]] * scale);
+      }
+    }
+  } else {
+    load(dst, src, n * dim);
+  }
 }
 
 // scores[j] = q . keys[j] for n keys of `dim` elements, four keys at a time: four independent sums keep the
@@ -149,20 +189,20 @@ inline void accumulate_values(acc_t* acc, acc_t correction, const acc_t* p, cons
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
                  const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
                  const at::Tensor& first_keys, const at::Tensor& head_out, const at::Tensor& head_lse,
                  int64_t block_size, int64_t window, double scale, double softcap) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t num_rows = rows.size(0), num_heads = query.size(1), dim = query.size(2);
-  const int64_t num_kv_heads = k_pool.size(0), pool_slots = k_pool.size(1);
+  const int64_t num_kv_heads = k_pool.size(0), pool_slots = k_pool.size(1), width = k_pool.size(2);
   const int64_t groups = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_pool.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_pool.data_ptr<scalar_t>();
+  const cache_t* k_ptr = k_pool.data_ptr<cache_t>();
+  const cache_t* v_ptr = v_pool.data_ptr<cache_t>();
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
   const int32_t* row_ids = rows.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -174,7 +214,8 @@ void decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const at::Te
   const int64_t hl_row = head_lse.numel() > 0 ? head_lse.stride(0) : 0, hl_head = head_lse.numel() > 0 ? head_lse.stride(1) : 0;
   const acc_t cap = static_cast<acc_t>(softcap);
   const acc_t lowest = std::numeric_limits<acc_t>::lowest();  // not -inf: built with -ffast-math
-  const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && kHasBf16Dot && dim % 32 == 0;
+  constexpr bool kSameType = std::is_same_v<scalar_t, cache_t>;
+  const bool bf16_dot = kSameType && std::is_same_v<scalar_t, c10::BFloat16> && kHasBf16Dot && dim % 32 == 0;
 
   at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> q(groups * dim), acc(groups * dim), scores(groups * block_size), run_max(groups), run_sum(groups);
@@ -200,22 +241,22 @@ void decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const at::Te
         std::fill(run_max.begin(), run_max.end(), lowest);
         std::fill(run_sum.begin(), run_sum.end(), acc_t(0));
       }
-      const scalar_t* k_head = k_ptr + kv_head * pool_slots * dim;
-      const scalar_t* v_head = v_ptr + kv_head * pool_slots * dim;
+      const cache_t* k_head = k_ptr + kv_head * pool_slots * width;
+      const cache_t* v_head = v_ptr + kv_head * pool_slots * width;
       for (int64_t blk = lo / block_size; blk * block_size < ctx; ++blk) {
         // A block's slots are consecutive: its keys (and values) are one contiguous run of n rows.
         const int64_t first = std::max(lo, blk * block_size), last = std::min(ctx, (blk + 1) * block_size);
         const int64_t n = last - first;
         const int64_t slot0 = static_cast<int64_t>(tables[b * max_blocks + blk]) * block_size + (first - blk * block_size);
-        if (!bf16_dot) load(keys.data(), k_head + slot0 * dim, n * dim);
-        load(values.data(), v_head + slot0 * dim, n * dim);
+        if (!bf16_dot) load_rows(keys.data(), k_head + slot0 * width, n, dim, width);
+        load_rows(values.data(), v_head + slot0 * width, n, dim, width);
         for (int64_t g = 0; g < groups; ++g) {
           const acc_t* qg = q.data() + g * dim;
           acc_t* sg = scores.data() + g * block_size;
-          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kSameType) {
             if (bf16_dot) {
               const scalar_t* q_raw = q_ptr + row * q_row + (kv_head * groups + g) * q_head;
-              dot_keys_bf16(q_raw, k_head + slot0 * dim, sg, n, dim, static_cast<float>(scale));
+              dot_keys_bf16(q_raw, k_head + slot0 * width, sg, n, dim, static_cast<float>(scale));
             } else {
               dot_keys(qg, keys.data(), sg, n, dim);
             }
@@ -256,8 +297,10 @@ void paged_decode(const at::Tensor& query, const at::Tensor& k_pool, const at::T
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && k_pool.dim() == 3, "paged_decode: query/out [T,H,D], pool [kvH,S,D]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "paged_decode: the head dimension must be contiguous");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "paged_decode: the pool must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_pool.scalar_type() && out.scalar_type() == k_pool.scalar_type(),
-              "paged_decode: query, pool and out must share a dtype");
+  const bool quantized = k_pool.scalar_type() == at::kChar || k_pool.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((quantized || query.scalar_type() == k_pool.scalar_type()) && out.scalar_type() == query.scalar_type() &&
+                  v_pool.scalar_type() == k_pool.scalar_type(),
+              "paged_decode: query and out share a dtype, and the pool has it unless it is quantized (int8, fp8)");
   TORCH_CHECK(query.size(1) % k_pool.size(0) == 0, "paged_decode: heads must be a multiple of kv heads");
   TORCH_CHECK(rows.scalar_type() == at::kInt && block_tables.scalar_type() == at::kInt &&
                   context_lens.scalar_type() == at::kInt,
@@ -265,8 +308,9 @@ void paged_decode(const at::Tensor& query, const at::Tensor& k_pool, const at::T
   TORCH_CHECK(rows.is_contiguous() && block_tables.is_contiguous() && context_lens.is_contiguous(),
               "paged_decode: metadata must be contiguous");
   const int64_t num_rows = rows.size(0), width = block_tables.size(1);
-  TORCH_CHECK(query.size(2) == k_pool.size(2) && v_pool.sizes() == k_pool.sizes() && out.sizes() == query.sizes(),
-              "paged_decode: head sizes and shapes must agree");
+  TORCH_CHECK(query.size(2) + (quantized ? 4 : 0) == k_pool.size(2) && v_pool.sizes() == k_pool.sizes() &&
+                  out.sizes() == query.sizes(),
+              "paged_decode: head sizes and shapes must agree (a quantized row holds its scale after the values)");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_rows && context_lens.size(0) == num_rows,
               "paged_decode: one block table and one context length per row");
   const int64_t num_blocks = k_pool.size(1) / block_size;
@@ -279,6 +323,7 @@ void paged_decode(const at::Tensor& query, const at::Tensor& k_pool, const at::T
     TORCH_CHECK(first_keys.scalar_type() == at::kInt && first_keys.is_contiguous() && first_keys.size(0) == num_rows,
                 "paged_decode: first_keys is int32, one per row");
     TORCH_CHECK(window == 0 && softcap == 0, "paged_decode: heads are taken only without window and softcap");
+    TORCH_CHECK(!quantized, "paged_decode: heads are taken only on a pool that is not quantized");
     TORCH_CHECK(head_out.dim() == 3 && head_out.size(1) == query.size(1) && head_out.size(2) == query.size(2) &&
                     head_out.stride(2) == 1 && head_out.scalar_type() == query.scalar_type(),
                 "paged_decode: head_out is [Bh, H, D] in the query's dtype, D contiguous");
@@ -301,8 +346,16 @@ void paged_decode(const at::Tensor& query, const at::Tensor& k_pool, const at::T
     }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
-    decode_rows<scalar_t>(query, k_pool, v_pool, out, rows, block_tables, context_lens, first_keys, head_out,
-                          head_lse, block_size, window, scale, softcap);
+    if (k_pool.scalar_type() == at::kChar) {
+      decode_rows<scalar_t, int8_t>(query, k_pool, v_pool, out, rows, block_tables, context_lens, first_keys,
+                                    head_out, head_lse, block_size, window, scale, softcap);
+    } else if (k_pool.scalar_type() == at::kFloat8_e4m3fn) {
+      decode_rows<scalar_t, c10::Float8_e4m3fn>(query, k_pool, v_pool, out, rows, block_tables, context_lens,
+                                                first_keys, head_out, head_lse, block_size, window, scale, softcap);
+    } else {
+      decode_rows<scalar_t, scalar_t>(query, k_pool, v_pool, out, rows, block_tables, context_lens, first_keys,
+                                      head_out, head_lse, block_size, window, scale, softcap);
+    }
   });
 }
 

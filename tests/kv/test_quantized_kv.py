@@ -1,0 +1,281 @@
+"""K/V stored in 8 bits (int8, fp8 e4m3) with a scale per token and kv head: the pool, the kernel, every tier.
+
+The compute-dtype path keeps its own exactness tests (HF generate); here the quantized paths are held to
+their own rules: the rounding stays within the format's step, each row carries its own scale, a block
+stored in another K/V dtype is never read as this one, and a session's turn served from the pool or
+restored from a tier equals the same prompt computed afresh in the same K/V dtype.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from server.kv import kernels
+from server.kv.block_store import BlockStore, WriteJob, addresses
+from server.kv.disk_blocks import DiskBlocks
+from server.kv.pool import KVLayout, KVPool, dequantize, quantize, stored_dtype
+from server.kv.snapshot import decode_block, encode_block
+from server.kv.tiers import TierStore
+from server.sessions.record import SessionKey
+from tests.helpers import make_engine, run
+
+FORMATS = [torch.int8, torch.float8_e4m3fn]
+LARGEST = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def rows_of(kv_heads: int, tokens: int, dim: int, seed: int = 0) -> torch.Tensor:
+    """Vectors whose magnitudes differ by head and by token (so a scale shared by any two would show)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(kv_heads, tokens, dim, generator=gen, dtype=torch.float64)
+    spread = torch.logspace(-3, 2, kv_heads * tokens, dtype=torch.float64).view(kv_heads, tokens, 1)
+    return x * spread
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_each_row_keeps_its_own_scale_and_rounds_within_a_step(kv_dtype):
+    x = rows_of(3, 40, 64)
+    q = quantize(x, kv_dtype)
+    assert q.dtype == kv_dtype
+    assert q.shape == (3, 40, 64 + 4)
+    scale = q.view(torch.uint8)[..., 64:].contiguous().view(torch.float32).squeeze(-1)
+    expected = (x.abs().amax(-1) / LARGEST[kv_dtype]).float()
+    assert torch.allclose(scale, expected, rtol=1e-6, atol=0)  # per token and per head
+    assert scale.unique().numel() == 3 * 40
+    err = (dequantize(q, torch.float64) - x).abs()
+    scaled = (x / scale.double().unsqueeze(-1)).abs()
+    if kv_dtype == torch.int8:
+        bound = 0.5 * scale.double().unsqueeze(-1) * (1 + 1e-5)  # half a step of its own row's scale
+    else:  # e4m3: 3 mantissa bits (half a step is 2^-4 relative); subnormals below 2^-6 step by 2^-9
+        bound = scale.double().unsqueeze(-1) * torch.maximum(scaled * 2.0**-4, torch.full_like(scaled, 2.0**-10))
+        bound = bound * (1 + 1e-5)
+    assert bool((err <= bound).all()), float((err - bound).max())
+    # A row of zeros stays zeros (scale 0, no division by it).
+    zeros = dequantize(quantize(torch.zeros(1, 2, 8), kv_dtype), torch.float32)
+    assert torch.equal(zeros, torch.zeros(1, 2, 8))
+
+
+def test_the_setting_names_the_formats_and_the_layout_counts_their_bytes():
+    cpu = torch.device("cpu")
+    assert stored_dtype("auto", torch.bfloat16, cpu) is None
+    assert stored_dtype("compute", torch.bfloat16, cpu) is None
+    assert stored_dtype("int8", torch.bfloat16, cpu) == torch.int8
+    assert stored_dtype("fp8", torch.bfloat16, cpu) == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="kv_dtype 'int4'"):
+        stored_dtype("int4", torch.bfloat16, cpu)
+    bf16 = KVLayout(30, 3, 64, torch.bfloat16)
+    int8 = KVLayout(30, 3, 64, torch.bfloat16, torch.int8)
+    assert bf16.bytes_per_token == 2 * 30 * 3 * 64 * 2
+    assert int8.bytes_per_token == 2 * 30 * 3 * (64 + 4)  # a float32 scale per row
+    assert bf16.fingerprint("m") != int8.fingerprint("m")  # part of every block address
+    assert int8.fingerprint("m") != KVLayout(30, 3, 64, torch.bfloat16, torch.float8_e4m3fn).fingerprint("m")
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_a_block_is_read_only_in_the_k_v_dtype_it_was_stored_in(kv_dtype, caplog):
+    layout = KVLayout(2, 2, 8, torch.float32, kv_dtype)
+    k = [quantize(rows_of(2, 4, 8, seed), kv_dtype) for seed in (1, 2)]
+    v = [quantize(rows_of(2, 4, 8, seed), kv_dtype) for seed in (3, 4)]
+    value = encode_block("a" * 40, k, v)
+    kv = decode_block("a" * 40, value, layout)
+    assert kv is not None
+    assert kv.dtype == kv_dtype
+    assert torch.equal(kv.view(torch.uint8), torch.stack([torch.stack(k), torch.stack(v)]).view(torch.uint8))
+    other = torch.float8_e4m3fn if kv_dtype == torch.int8 else torch.int8  # the same shape, another format
+    assert decode_block("a" * 40, value, KVLayout(2, 2, 8, torch.float32, other)) is None
+    assert decode_block("a" * 40, value, KVLayout(2, 2, 8, torch.float32)) is None
+    assert "K/V stored as" in caplog.text
+
+
+@pytest.fixture(params=["disk", "redis"])
+def backend(request, tmp_path):
+    if request.param == "disk":
+        yield DiskBlocks(tmp_path / "blocks")
+        return
+    from server.kv.redis_blocks import RedisBlocks
+    from tests.e2e.redis_server import Redis
+
+    server = Redis(tmp_path)
+    blocks = RedisBlocks(server.url)
+    yield blocks
+    blocks.close()
+    server.stop()
+
+
+def test_disk_and_redis_hold_the_quantized_rows_as_they_are(backend):
+    layout = KVLayout(2, 2, 8, torch.float32, torch.int8)
+    store = BlockStore(backend, "test")
+    ids = list(range(8))
+    names = addresses(layout.fingerprint(), 4, "t", ids)
+    k = [quantize(rows_of(2, 8, 8, seed), torch.int8) for seed in (1, 2)]
+    v = [quantize(rows_of(2, 8, 8, seed), torch.int8) for seed in (3, 4)]
+    store.put(WriteJob(names, k, v, 4))
+    store.flush()
+    assert len(backend.read(names)[0]) < 2 * 2 * 2 * 4 * 8 * 4  # fewer bytes than the fp32 K/V alone
+    blocks = store.read_run(names, layout)
+    assert len(blocks) == 2
+    for i, block in enumerate(blocks):
+        for layer in (0, 1):
+            assert torch.equal(block[0][layer], k[layer][:, i * 4 : (i + 1) * 4])
+            assert torch.equal(block[1][layer], v[layer][:, i * 4 : (i + 1) * 4])
+    store.close()
+
+
+@pytest.mark.skipif(not kernels.paged_decode_available(), reason="the kernel cannot be built here")
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_the_kernel_reads_a_quantized_pool_as_its_dequantized_values(kv_dtype):
+    """In fp32 the kernel over the quantized rows equals the kernel over the same values dequantized first, and
+    the span path (pool.read, then SDPA) over them."""
+    layout = KVLayout(1, 2, 64, torch.float32, kv_dtype)
+    pool = KVPool(layout, num_blocks=12, block_size=16, device=torch.device("cpu"))
+    slots = torch.arange(12 * 16)
+    pool.write(0, slots, rows_of(2, 12 * 16, 64).float(), rows_of(2, 12 * 16, 64, seed=5).float())
+    k_plain, v_plain = pool.read(0, 0, 12 * 16, None)
+    q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(9))
+    rows = torch.tensor([0, 1], dtype=torch.int32)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]], dtype=torch.int32)
+    lens = torch.tensor([50, 37], dtype=torch.int32)
+    none = (torch.empty(0, dtype=torch.int32), torch.empty(0), torch.empty(0))
+    quantized, plain = torch.empty_like(q), torch.empty_like(q)
+    torch.ops.kvserve.paged_decode(q, pool.k[0], pool.v[0], quantized, rows, tables, lens, *none, 16, 0, 0.125, 0.0)
+    args = (q, k_plain.contiguous(), v_plain.contiguous(), plain, rows, tables, lens, *none, 16, 0, 0.125, 0.0)
+    torch.ops.kvserve.paged_decode(*args)
+    assert torch.equal(quantized, plain)
+    for b in range(2):
+        ctx = int(lens[b])
+        ctx_slots = torch.tensor(pool.slot_ids(tables[b].tolist(), 0, ctx))
+        k, v = pool.read(0, 0, 0, ctx_slots)
+        scores = torch.einsum("hd,hkd->hk", q[b], k.repeat_interleave(3, 0)) * 0.125
+        dense = torch.einsum("hk,hkd->hd", scores.softmax(-1), v.repeat_interleave(3, 0))
+        assert torch.allclose(quantized[b], dense, atol=1e-5, rtol=1e-5)
+
+
+def words(tiny, text: str) -> list[int]:
+    return tiny.tokenizer(text)["input_ids"]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("tier", ["pool", "host", "disk"])
+async def test_a_session_served_from_the_pool_or_a_tier_continues_as_computed_afresh(tiny, tmp_path, kv_dtype, tier):
+    block, token_bytes = 4, 2 * 2 * 2 * (16 + 4)  # K+V x layers x kv_heads x (head_dim + the scale's 4 bytes)
+    tiers = TierStore((1 << 30) if tier == "host" else 0, 1 << 30, tmp_path / "kv", block_size=block)
+    num_blocks = 24 if tier != "pool" else 256
+    engine = make_engine(
+        tiny, tiers=tiers, budget_bytes=num_blocks * block * token_bytes, block_size=block, kv_dtype=kv_dtype
+    )
+    fresh = make_engine(tiny, budget_bytes=256 * block * token_bytes, block_size=block, kv_dtype=kv_dtype)
+    try:
+        assert engine.runner.pool.k[0].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
+        assert engine.runner.pool.num_blocks == num_blocks
+        prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
+        first = await run(engine, prompt, session="a", max_tokens=6, ignore_eos=True)
+        transcript = prompt + first.token_ids
+        if tier != "pool":  # other sessions fill the pool: a's K/V goes down a tier first
+            for i, text in enumerate(["Paris is the capital of France;", "Numbers 0123456789 and symbols !?."] * 2):
+                await run(engine, words(tiny, text * 2), session=f"other{i}", max_tokens=4, ignore_eos=True)
+            tiers.flush_pending()
+            usage = tiers.usage(SessionKey("default", "a"))
+            assert (usage.host_tokens if tier == "host" else usage.disk_tokens) == len(transcript) - 1
+        turn2 = transcript + words(tiny, " Hello world")
+        second = await run(engine, turn2, session="a", max_tokens=5, ignore_eos=True)
+        assert second.admitted.source == ("device" if tier == "pool" else tier)
+        assert second.admitted.num_cached == len(transcript) - 1
+        cold = await run(fresh, turn2, max_tokens=5, ignore_eos=True, use_cache=False)
+        assert cold.admitted.num_cached == 0
+        assert second.token_ids == cold.token_ids
+    finally:
+        engine.stop()
+        fresh.stop()
+        tiers.close()
+
+
+def test_models_toml_names_a_k_v_dtype_or_is_refused(tmp_path):
+    from server.models.loader import read_specs
+
+    path = tmp_path / "models.toml"
+    path.write_text('[[models]]\nid = "m"\nsource = "x"\nkv_dtype = "int8"\n')
+    assert read_specs(path)[0].kv_dtype == "int8"
+    path.write_text('[[models]]\nid = "m"\nsource = "x"\nkv_dtype = "int4"\n')
+    with pytest.raises(ValueError, match="kv_dtype 'int4'"):
+        read_specs(path)
+
+
+def test_the_server_setting_applies_where_the_model_names_none(tiny_spec):
+    import dataclasses
+
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import Settings
+    from tests.http.conftest import wait_ready
+
+    own = dataclasses.replace(tiny_spec, id="own", kv_dtype="fp8")
+    with TestClient(create_app(Settings(kv_dtype="int8"), specs=[tiny_spec, own])) as client:
+        wait_ready(client)
+        engines = client.app.state.host.engines
+        assert engines["tiny"].runner.pool.k[0].dtype == torch.int8
+        assert engines["own"].runner.pool.k[0].dtype == torch.float8_e4m3fn
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        for sid in ("s", "s"):  # a session's second turn reads its quantized K/V from the pool
+            reply = client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": sid})
+            assert reply.status_code == 200, reply.text
+            body["messages"] += [reply.json()["choices"][0]["message"], {"role": "user", "content": "More"}]
+        assert reply.headers["X-Cache"] in ("hit", "partial")
+
+
+@pytest.fixture(scope="module")
+def wide_bf16(tmp_path_factory):
+    """A tiny Llama with head size 64 in bf16: the shapes the paged prefill kernel serves."""
+    from pathlib import Path
+
+    from server.models.loader import ModelSpec, load_model
+    from tests.tiny import build_model, build_tokenizer
+
+    directory = tmp_path_factory.mktemp("wide-heads")
+    tokenizer = build_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    build_model(len(tokenizer), eos, hidden_size=256, intermediate_size=256).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    spec = ModelSpec(id="wide", source=str(directory), dtype="bfloat16", device="cpu", max_context=4096)
+    return load_model(spec, Path("unused"))
+
+
+@pytest.mark.skipif(not kernels.paged_prefill_available(torch.bfloat16, 64), reason="no AVX512-BF16 prefill kernel")
+async def test_prefill_chunks_over_a_quantized_pool_read_their_blocks_through_the_kernel(wide_bf16, monkeypatch):
+    """Two prompts prefilled side by side in 8-token chunks on an int8 pool: the kernel reads a dequantized copy of
+    the blocks each chunk's table names (renumbered), and answers as SDPA over the same dequantized keys does, up
+    to bf16 rounding; a chunk that read another's blocks would be off by units."""
+    prompts = [
+        words(wide_bf16, "The quick brown fox jumps over the lazy dog. " * 6),
+        words(wide_bf16, "Paris is the capital of France; Berlin is the capital of Germany. " * 3),
+    ]
+    results, seen = {}, {}
+    for use_kernel in (True, False):
+        engine = make_engine(wide_bf16, budget_bytes=4 << 20, block_size=4, max_batch_tokens=8, kv_dtype="int8")
+        assert engine.runner.prefill_kernel  # on a quantized pool too
+        engine.runner.prefill_kernel = use_kernel
+        calls = seen.setdefault(use_kernel, [])
+        prepare = engine.runner._prepare
+
+        def spy(rows, prepare=prepare, calls=calls):
+            meta, *rest = prepare(rows)
+            if meta.prefill is not None:
+                assert meta.prefill.slots is not None
+                calls.append(meta.prefill.q_starts.numel())
+            return (meta, *rest)
+
+        monkeypatch.setattr(engine.runner, "_prepare", spy)
+        try:
+            results[use_kernel] = await asyncio.gather(
+                *(run(engine, p, rid=f"r{i}", max_tokens=1, num_logprobs=5) for i, p in enumerate(prompts))
+            )
+        finally:
+            engine.stop()
+    assert max(seen[True]) == 2  # both prompts' chunks in one call
+    assert seen[False] == []  # spans
+    for with_kernel, with_sdpa in zip(results[True], results[False], strict=True):
+        assert with_kernel.token_ids == with_sdpa.token_ids
+        sdpa = dict(with_sdpa.logprobs[0].top)
+        assert max(abs(lp - sdpa[t]) for t, lp in with_kernel.logprobs[0].top if t in sdpa) < 0.3
