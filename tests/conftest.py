@@ -21,3 +21,17 @@ def tiny_spec(tmp_path_factory) -> ModelSpec:
 @pytest.fixture(scope="session")
 def tiny(tiny_spec) -> LoadedModel:
     return load_model(tiny_spec, Path("unused-cache"))
+
+
+@pytest.fixture(scope="session")
+def wide_heads_bf16(tmp_path_factory) -> tuple[LoadedModel, Path]:
+    """A tiny Llama with head size 64 in bf16 (the shapes the paged prefill kernel serves), and its directory."""
+    from tests.tiny import build_model, build_tokenizer
+
+    directory = tmp_path_factory.mktemp("wide-heads")
+    tokenizer = build_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    build_model(len(tokenizer), eos, hidden_size=256, intermediate_size=256).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    spec = ModelSpec(id="wide", source=str(directory), dtype="bfloat16", device="cpu", max_context=4096)
+    return load_model(spec, Path("unused")), directory

@@ -12,7 +12,7 @@ import torch
 from server.engine import model_runner
 from server.kv import kernels
 from server.kv.blocks import Block
-from server.models.loader import ModelSpec, load_model
+from server.models.loader import load_model
 from tests.helpers import make_engine, reference_greedy, run, wait_until_async
 
 
@@ -265,20 +265,6 @@ def test_timing_a_lone_row_picks_the_fastest_way(tiny32, monkeypatch):
     assert route.way == routing.KERNEL
     assert "kernel 0 us" in route.describe
     assert "head 1 us" in route.describe
-
-
-@pytest.fixture(scope="module")
-def wide_heads_bf16(tmp_path_factory):
-    """A tiny Llama with head size 64 in bf16: the shapes the paged prefill kernel serves."""
-    from tests.tiny import build_model, build_tokenizer
-
-    directory = tmp_path_factory.mktemp("wide-heads")
-    tokenizer = build_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    build_model(len(tokenizer), eos, hidden_size=256, intermediate_size=256).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    spec = ModelSpec(id="wide", source=str(directory), dtype="bfloat16", device="cpu", max_context=4096)
-    return load_model(spec, Path("unused")), directory
 
 
 async def test_prefill_chunks_of_one_step_go_to_the_prefill_kernel_in_one_call(wide_heads_bf16, monkeypatch):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from server.kv.block_store import KNOWN_LIMIT, BlockStore, WriteJob, addresses
-from server.kv.disk_blocks import DiskBlocks
 from server.kv.pool import KVLayout
 from server.kv.snapshot import Snapshot, decode_block, encode_block
 from server.kv.tiers import TierStore
@@ -79,21 +78,6 @@ def test_addresses_name_layout_block_size_tenant_and_every_token():
     env = os.environ | {"PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == repr(base)
-
-
-@pytest.fixture(params=["disk", "redis"])
-def backend(request, tmp_path):
-    if request.param == "disk":
-        yield DiskBlocks(tmp_path / "blocks")
-        return
-    from server.kv.redis_blocks import RedisBlocks
-    from tests.e2e.redis_server import Redis
-
-    server = Redis(tmp_path)
-    blocks = RedisBlocks(server.url)
-    yield blocks
-    blocks.close()
-    server.stop()
 
 
 def test_both_backends_store_new_blocks_once_and_read_the_leading_sound_run(backend, caplog):

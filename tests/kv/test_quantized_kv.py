@@ -15,7 +15,6 @@ import torch
 
 from server.kv import kernels
 from server.kv.block_store import BlockStore, WriteJob, addresses
-from server.kv.disk_blocks import DiskBlocks
 from server.kv.pool import KVLayout, KVPool, dequantize, quantize, stored_dtype
 from server.kv.snapshot import decode_block, encode_block
 from server.kv.tiers import TierStore
@@ -87,21 +86,6 @@ def test_a_block_is_read_only_in_the_k_v_dtype_it_was_stored_in(kv_dtype, caplog
     assert decode_block("a" * 40, value, KVLayout(2, 2, 8, torch.float32, other)) is None
     assert decode_block("a" * 40, value, KVLayout(2, 2, 8, torch.float32)) is None
     assert "K/V stored as" in caplog.text
-
-
-@pytest.fixture(params=["disk", "redis"])
-def backend(request, tmp_path):
-    if request.param == "disk":
-        yield DiskBlocks(tmp_path / "blocks")
-        return
-    from server.kv.redis_blocks import RedisBlocks
-    from tests.e2e.redis_server import Redis
-
-    server = Redis(tmp_path)
-    blocks = RedisBlocks(server.url)
-    yield blocks
-    blocks.close()
-    server.stop()
 
 
 def test_disk_and_redis_hold_the_quantized_rows_as_they_are(backend):
@@ -225,28 +209,12 @@ def test_the_server_setting_applies_where_the_model_names_none(tiny_spec):
         assert reply.headers["X-Cache"] in ("hit", "partial")
 
 
-@pytest.fixture(scope="module")
-def wide_bf16(tmp_path_factory):
-    """A tiny Llama with head size 64 in bf16: the shapes the paged prefill kernel serves."""
-    from pathlib import Path
-
-    from server.models.loader import ModelSpec, load_model
-    from tests.tiny import build_model, build_tokenizer
-
-    directory = tmp_path_factory.mktemp("wide-heads")
-    tokenizer = build_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    build_model(len(tokenizer), eos, hidden_size=256, intermediate_size=256).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    spec = ModelSpec(id="wide", source=str(directory), dtype="bfloat16", device="cpu", max_context=4096)
-    return load_model(spec, Path("unused"))
-
-
 @pytest.mark.skipif(not kernels.paged_prefill_available(torch.bfloat16, 64), reason="no AVX512-BF16 prefill kernel")
-async def test_prefill_chunks_over_a_quantized_pool_read_their_blocks_through_the_kernel(wide_bf16, monkeypatch):
+async def test_prefill_chunks_over_a_quantized_pool_read_their_blocks_through_the_kernel(wide_heads_bf16, monkeypatch):
     """Two prompts prefilled side by side in 8-token chunks on an int8 pool: the kernel reads a dequantized copy of
     the blocks each chunk's table names (renumbered), and answers as SDPA over the same dequantized keys does, up
     to bf16 rounding; a chunk that read another's blocks would be off by units."""
+    wide_bf16, _ = wide_heads_bf16
     prompts = [
         words(wide_bf16, "The quick brown fox jumps over the lazy dog. " * 6),
         words(wide_bf16, "Paris is the capital of France; Berlin is the capital of Germany. " * 3),
