@@ -201,6 +201,10 @@ def test_the_server_setting_applies_where_the_model_names_none(tiny_spec):
         engines = client.app.state.host.engines
         assert engines["tiny"].runner.pool.k[0].dtype == torch.int8
         assert engines["own"].runner.pool.k[0].dtype == torch.float8_e4m3fn
+        model = client.get("/v1/models/tiny").json()
+        assert model["kv_dtype"] == "int8"
+        assert model["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 4)  # K+V x layers x kv_heads x a row with its scale
+        assert client.get("/v1/models/own").json()["kv_dtype"] == "float8_e4m3fn"
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
         for sid in ("s", "s"):  # a session's second turn reads its quantized K/V from the pool
             reply = client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": sid})

@@ -39,6 +39,7 @@ def model_object(host: ModelHost, model_id: str) -> dict:
         "dtype_reason": loaded.dtype_reason if loaded else None,
         "device": loaded.device.type if loaded else None,
         "kv_bytes_per_token": engine.token_bytes if engine else None,
+        "kv_dtype": str(engine.runner.layout.storage_dtype).removeprefix("torch.") if engine else None,
         **_fingerprint(host, model_id),
     }
 
