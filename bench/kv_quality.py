@@ -60,7 +60,7 @@ def spec_of(name: str) -> ModelSpec:
     return ModelSpec(id=ident, source=name, base_dir=str(ROOT / "models"))
 
 
-async def continue_all(engine: Engine, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+async def continue_all(engine: Engine, prompts: list[list[int]], num_new: int, at_once: int) -> list[list[int]]:
     out: list[list[int]] = [[] for _ in prompts]
 
     async def one(i: int) -> None:
@@ -74,12 +74,12 @@ async def continue_all(engine: Engine, prompts: list[list[int]], num_new: int) -
             elif hasattr(event, "code"):
                 raise RuntimeError(f"turn {i} failed: {event}")
 
-    for start in range(0, len(prompts), 8):
-        await asyncio.gather(*(one(i) for i in range(start, min(start + 8, len(prompts)))))
+    for start in range(0, len(prompts), at_once):
+        await asyncio.gather(*(one(i) for i in range(start, min(start + at_once, len(prompts)))))
     return out
 
 
-def greedy(loaded: LoadedModel, kv: str, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+def greedy(loaded: LoadedModel, kv: str, prompts: list[list[int]], num_new: int, at_once: int = 8) -> list[list[int]]:
     tiers = TierStore(0, 0, None, block_size=16)
     store = SessionStore(ttl_s=3600, forgetters=(tiers,))
     token_bytes = KVLayout.of(loaded.model.config, loaded.dtype).bytes_per_token  # the compute dtype's: the most
@@ -87,7 +87,7 @@ def greedy(loaded: LoadedModel, kv: str, prompts: list[list[int]], num_new: int)
     engine = Engine(loaded, store, tiers, EngineConfig(budget_bytes=budget, block_size=16, kv_dtype=kv))
     engine.start()
     try:
-        return asyncio.run(continue_all(engine, prompts, num_new))
+        return asyncio.run(continue_all(engine, prompts, num_new, at_once))
     finally:
         engine.stop()
 
@@ -113,6 +113,10 @@ def measure(name: str, text: str, args) -> dict:
     prompts = [ids[i * span // args.turns : i * span // args.turns + args.prompt] for i in range(args.turns)]
     kinds = ["compute", *args.kv.split(",")]
     turns = {kv: greedy(loaded, kv, prompts, args.new) for kv in kinds}
+    # The floor: the compute dtype's own K/V, each turn alone instead of 8 at a time. Where the model computes in
+    # bf16, rounding alone (which rows share a step) changes greedy tokens this often (issue: deterministic mode)
+    turns["compute, 1 at a time"] = greedy(loaded, "compute", prompts, args.new, at_once=1)
+    kinds.append("compute, 1 at a time")
     base = turns["compute"]
     result: dict[str, Any] = {"model": loaded.spec.id, "dtype": str(loaded.dtype).removeprefix("torch."), "kv": {}}
     # A fresh copy with the rounded attention: the served one has kvserve's paged attention installed
@@ -128,7 +132,7 @@ def measure(name: str, text: str, args) -> dict:
         result["kv"][kv] = {
             "turns_equal": same / len(base),
             "tokens_before_first_difference": before_first / sum(map(len, base)),
-            "perplexity": perplexity(fresh, ppl_ids, args.window, stored),
+            "perplexity": perplexity(fresh, ppl_ids, args.window, stored) if kv != kinds[-1] else None,
         }
         print(name, kv, json.dumps(result["kv"][kv]), flush=True)
     result["ppl_tokens"] = len(ppl_ids)
@@ -141,8 +145,10 @@ def report(results: list[dict], args, corpus: str) -> str:
         "",
         f"`python bench/kv_quality.py --corpus {corpus}` ({machine_line()}). Greedy agreement: {args.turns} "
         f"passages of {args.prompt} tokens continued for {args.new} tokens by the engine with each K/V dtype, "
-        "compared with the compute dtype's K/V. Perplexity: the corpus's first tokens teacher-forced, every key and "
-        "value rounded through the K/V dtype before attention.",
+        "compared with the compute dtype's K/V (8 turns at a time); the row `compute, 1 at a time` is the compute "
+        "dtype's K/V with each turn alone, how often rounding alone (which rows share a step) changes greedy tokens. "
+        f"Perplexity: the corpus's first {args.ppl_tokens} tokens teacher-forced in windows of {args.window}, every "
+        "key and value rounded through the K/V dtype before attention.",
         "",
         "| model (compute dtype) | K/V dtype | turns equal | tokens before the first difference | perplexity "
         "| vs compute |",
@@ -151,10 +157,11 @@ def report(results: list[dict], args, corpus: str) -> str:
     for r in results:
         base = r["kv"]["compute"]["perplexity"]
         for kv, m in r["kv"].items():
+            ppl = m["perplexity"]
             lines.append(
                 f"| {r['model']} ({r['dtype']}) | {kv} | {m['turns_equal']:.1%} | "
-                f"{m['tokens_before_first_difference']:.1%} | {m['perplexity']:.3f} | "
-                f"{(m['perplexity'] / base - 1):+.2%} |"
+                f"{m['tokens_before_first_difference']:.1%} | "
+                + (f"{ppl:.3f} | {(ppl / base - 1):+.2%} |" if ppl is not None else "(as compute) | |")
             )
     return "\n".join(lines)
 
