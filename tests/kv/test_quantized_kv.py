@@ -196,7 +196,8 @@ def test_the_server_setting_applies_where_the_model_names_none(tiny_spec):
     from tests.http.conftest import wait_ready
 
     own = dataclasses.replace(tiny_spec, id="own", kv_dtype="fp8")
-    with TestClient(create_app(Settings(kv_dtype="int8"), specs=[tiny_spec, own])) as client:
+    settings = Settings(kv_dtype="int8", kv_budget_bytes=4 << 20)
+    with TestClient(create_app(settings, specs=[tiny_spec, own])) as client:
         wait_ready(client)
         engines = client.app.state.host.engines
         assert engines["tiny"].runner.pool.k[0].dtype == torch.int8
