@@ -30,8 +30,9 @@ import torch
 
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
-from server.engine.request import Finished, GenerationRequest, SamplingParams, TextDelta
-from server.kv.block_store import BlockStore
+from server.engine.request import Failed, Finished, GenerationRequest, SamplingParams, TextDelta
+from server.kv.block_store import BlockStore, addresses
+from server.kv.pool import KVLayout, stored_dtype
 from server.kv.redis_blocks import RedisBlocks
 from server.kv.tiers import TierStore
 from server.models.loader import load_model, read_specs
@@ -76,7 +77,7 @@ async def generate(engine: Engine, prompt: list[int], max_tokens: int, rid: str,
             first = first or last
         elif isinstance(event, Finished):
             break
-        elif not isinstance(event, TextDelta) and hasattr(event, "code"):
+        elif isinstance(event, Failed):
             raise RuntimeError(f"request failed: {event}")
     assert first is not None
     assert last is not None
@@ -109,8 +110,6 @@ async def decode(loaded, kv: str, args) -> dict:
 
 
 def engine_token_bytes(loaded, kv: str) -> int:
-    from server.kv.pool import KVLayout, stored_dtype
-
     stored = stored_dtype(kv, loaded.dtype, loaded.device)
     return KVLayout.of(loaded.model.config, loaded.dtype, stored).bytes_per_token
 
@@ -167,8 +166,6 @@ async def restores(loaded, kv: str, args, state: Path, redis_url: str) -> dict:
 
 
 def shared_names(engine: Engine, ids: list[int]) -> list[str]:
-    from server.kv.block_store import addresses
-
     return addresses(engine.fingerprint, 16, "default", ids[: len(ids) // 16 * 16])
 
 
