@@ -52,18 +52,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         state = Path(directory)
         tiers = TierStore(0, 1 << 40, state, block_size=16)
-        tiers.put(Snapshot(KEY, "m", "fp", ids, k, v))
+        tiers.put(Snapshot(KEY, "m", layout, "", ids, k, v))
         tiers.flush_pending()
         files = sorted((state / "blocks").rglob("*.safetensors"))
         size = sum(p.stat().st_size for p in files) / 2**20
         print(f"{args.tokens} tokens, {args.dtype}: {size:.1f} MiB in {len(files)} block files")
         times: dict[str, list[float]] = {"warm": [], "cold": []}
         for _ in range(args.repeats):
-            times["warm"].append(timed(lambda: tiers.read(KEY, [*ids, 0], "m", "fp", layout)))
+            times["warm"].append(timed(lambda: tiers.read(KEY, [*ids, 0], "m", "", layout)))
             for path in files:
                 drop_page_cache(path)
-            times["cold"].append(timed(lambda: tiers.read(KEY, [*ids, 0], "m", "fp", layout)))
-        names = addresses("fp", 16, KEY.tenant, ids, tail=True)
+            times["cold"].append(timed(lambda: tiers.read(KEY, [*ids, 0], "m", "", layout)))
+        names = addresses(layout.fingerprint(), 16, KEY.tenant, ids, tail=True)
         values = tiers.disk.blocks.read(names)
         blocks = [decode_block(n, value, layout) for n, value in zip(names, values, strict=True)]
         parts = {

@@ -15,7 +15,7 @@ from server.engine.threads import use_compute_threads
 from server.kv.block_store import KNOWN_LIMIT, BlockStore
 from server.kv.fingerprints import FingerprintBoard
 from server.kv.redis_blocks import RedisBlocks
-from server.kv.tiers import TierStore
+from server.kv.tiers import TierFormats, TierStore
 from server.models.loader import LoadedModel, ModelLoadError, ModelSpec, load_model, read_specs, spec_from_cli
 from server.sessions.errors import SharedStoreUnavailable
 from server.sessions.journal import Journal
@@ -47,7 +47,8 @@ class ModelHost:
         if host_budget is None:
             host_budget = default_host_kv_budget(_likely_device(specs), _total_ram())
         kv_dir = state / "kv" if state else None
-        self.tiers = TierStore(host_budget, settings.disk_kv_budget_bytes, kv_dir, settings.block_size)
+        formats = TierFormats(settings.host_kv_dtype, settings.disk_kv_dtype, settings.shared_kv_dtype)
+        self.tiers = TierStore(host_budget, settings.disk_kv_budget_bytes, kv_dir, settings.block_size, formats)
         journal = Journal(state / "sessions" if state else None)
         leases, shared = None, None
         self.redis_blocks: RedisBlocks | None = None

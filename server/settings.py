@@ -58,6 +58,17 @@ class Settings(BaseSettings):
         "a quarter of RAM up to 16 GiB with CUDA",
     )
     disk_kv_budget_bytes: int = Field(20 * GIB, ge=0, description="disk for K/V snapshots under state_dir/kv")
+    host_kv_dtype: Literal["pool", "int8", "fp8"] = Field(
+        "pool",
+        description="how host RAM keeps K/V evicted from the device: as the pool stores it, or int8 or fp8 (8 bits "
+        "with a scale per token and kv head) where the pool keeps more; restored into the pool's format",
+    )
+    disk_kv_dtype: Literal["pool", "int8", "fp8"] = Field(
+        "pool", description="how the disk tier keeps K/V: as host RAM holds it, or int8 or fp8 where that is more"
+    )
+    shared_kv_dtype: Literal["pool", "int8", "fp8"] = Field(
+        "pool", description="how the K/V blocks replicas share in Redis are kept: as the pool stores it, or int8 or fp8"
+    )
     response_retention_s: float = Field(
         30 * 86400.0, gt=0, description="stored /v1/responses results are kept this long after last use"
     )

@@ -45,7 +45,8 @@ class Engine:
         self.token_bytes = self.runner.layout.bytes_per_token
         self.block_bytes = self.token_bytes * config.block_size
         self.blocks = BlockManager(self.runner.pool.num_blocks, config.block_size)
-        self.offloader = Offloader(self.runner.pool, self.blocks, store, tiers, self.model_id, self.fingerprint)
+        digests = self.runner.digests.text
+        self.offloader = Offloader(self.runner.pool, self.blocks, store, tiers, self.model_id, digests)
         self.scheduler = Scheduler(self.blocks, config, self.offloader)
         self._inbox = Inbox()
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_ids)

@@ -39,8 +39,7 @@ MIN_SHARED_BLOCKS = 2  # a prompt waits for a running prefill computing at least
 class LowerTiers(Protocol):
     """What admission reads of the tiers below the pool (the `Offloader` answers it)."""
 
-    @property
-    def fingerprint(self) -> str: ...  # the pool's K/V fingerprint: a snapshot with another one does not fit
+    def fits(self, snapshot: Snapshot) -> bool: ...  # this model's K/V, computed as the pool computes it
 
     def can_restore(self, key: SessionKey, num_in_pool: int) -> bool: ...
 
@@ -205,7 +204,7 @@ class Scheduler:
     def _restorable(self, seq: Sequence, num_in_pool: int) -> int:
         """Prompt tokens the sequence's snapshot holds beyond what the pool does (0: use the pool)."""
         snapshot = seq.snapshot
-        if snapshot is None or not seq.use_cache or snapshot.fingerprint != self.tiers.fingerprint:
+        if snapshot is None or not seq.use_cache or not self.tiers.fits(snapshot):
             return 0
         prompt = seq.request.prompt_ids
         num_tokens = min(common_prefix_len(snapshot.token_ids, prompt), len(prompt) - 1)

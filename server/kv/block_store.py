@@ -91,6 +91,7 @@ class WriteJob:
     block_size: int
     done: Callable[[bool], None] | None = None  # on the writer thread: whether the backend now holds every block
     ready: Callable[[], None] = lambda: None  # waits for an asynchronous copy to land before encoding
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None  # rows into the format the blocks are stored in
 
 
 @dataclass(slots=True)
@@ -163,12 +164,15 @@ class BlockStore:
             missing = [i for i, is_held in enumerate(held) if not is_held]
             self.stats.num_skipped += len(held) - len(missing)
             job.ready()
+            convert = job.convert or (lambda rows: rows)  # a block at a time: only the missing ones are converted
+
+            def encoded(i: int) -> bytes:
+                cut = slice(i * bs, (i + 1) * bs)
+                k, v = [convert(t[:, cut]) for t in job.k], [convert(t[:, cut]) for t in job.v]
+                return encode_block(job.names[i], k, v)
+
             for start in range(0, len(missing), CHUNK):
-                cut = [(i, slice(i * bs, (i + 1) * bs)) for i in missing[start : start + CHUNK]]
-                items = [
-                    (job.names[i], encode_block(job.names[i], [t[:, s] for t in job.k], [t[:, s] for t in job.v]))
-                    for i, s in cut
-                ]
+                items = [(job.names[i], encoded(i)) for i in missing[start : start + CHUNK]]
                 written = self.backend.write(items)
                 self.stats.num_written += written
                 self.stats.num_skipped += len(items) - written

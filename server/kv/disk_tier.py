@@ -22,6 +22,7 @@ from pathlib import Path
 
 from server.kv.block_store import BlockStore, WriteJob, addresses, leading_run
 from server.kv.disk_blocks import DiskBlocks
+from server.kv.pool import convert
 from server.kv.snapshot import Snapshot
 from server.sessions.journal import Tombstones, state_path, sweep, write_json
 from server.sessions.record import SessionKey
@@ -40,9 +41,13 @@ class Manifest:
 
 
 class DiskTier:
-    def __init__(self, directory: Path, budget_bytes: int, block_size: int, deleted: Tombstones) -> None:
-        """`deleted`: the keys deleted lately, the tier store's (a write that raced with a delete is not kept)."""
+    def __init__(
+        self, directory: Path, budget_bytes: int, block_size: int, deleted: Tombstones, kv_dtype: str = "pool"
+    ) -> None:
+        """`deleted`: the keys deleted lately, the tier store's (a write that raced with a delete is not kept);
+        `kv_dtype`: how its blocks keep K/V (`KVLayout.stored_as`)."""
         self.directory, self.budget_bytes, self.block_size = directory, budget_bytes, block_size
+        self.kv_dtype = kv_dtype
         self.blocks = DiskBlocks(directory / "blocks")
         self.store = BlockStore(self.blocks, "disk")
         self._lock = threading.RLock()
@@ -63,8 +68,10 @@ class DiskTier:
         """Store the snapshot's blocks (the ones not held yet), then its manifest; `done` runs afterwards on the
         writer thread, whatever happened."""
         key, bs = snapshot.key, self.block_size
-        names = addresses(snapshot.fingerprint, bs, key.tenant, snapshot.token_ids, tail=True)
-        manifest = Manifest(key, snapshot.model_id, snapshot.fingerprint, list(snapshot.token_ids), names)
+        source, layout = snapshot.layout, snapshot.layout.stored_as(self.kv_dtype)
+        fingerprint = layout.fingerprint(snapshot.digests)
+        names = addresses(fingerprint, bs, key.tenant, snapshot.token_ids, tail=True)
+        manifest = Manifest(key, snapshot.model_id, fingerprint, list(snapshot.token_ids), names)
         with self._lock:
             self._writing[key] = manifest
             self._refs.update(names)  # held for the write: a delete of another session cannot take them meanwhile
@@ -75,7 +82,8 @@ class DiskTier:
             finally:
                 done()
 
-        self.store.put(WriteJob(names, snapshot.k, snapshot.v, bs, written, snapshot.wait))
+        to_disk = None if layout == source else (lambda rows: convert(rows, source, layout))  # on the writer thread
+        self.store.put(WriteJob(names, snapshot.k, snapshot.v, bs, written, snapshot.wait, to_disk))
 
     def _commit(self, manifest: Manifest, is_whole: bool) -> None:
         key = manifest.key
@@ -126,9 +134,8 @@ class DiskTier:
     def holds(self, snapshot: Snapshot) -> bool:
         """The disk already holds (or is writing) this very snapshot. A peek, without the lock (see `manifest`)."""
         found = (self._manifests.get(snapshot.key), self._writing.get(snapshot.key))
-        return any(
-            m is not None and (m.fingerprint, m.token_ids) == (snapshot.fingerprint, snapshot.token_ids) for m in found
-        )
+        stored = snapshot.layout.stored_as(self.kv_dtype).fingerprint(snapshot.digests)
+        return any(m is not None and (m.fingerprint, m.token_ids) == (stored, snapshot.token_ids) for m in found)
 
     def tail(self, key: SessionKey, fingerprint: str, usable_ids: list[int]) -> tuple[int, str] | None:
         """(block index, address) of the partial last block `key`'s manifest names, when the prompt's usable ids

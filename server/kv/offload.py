@@ -1,22 +1,25 @@
 """Moving sessions' K/V between the paged pool and the host/disk tiers (on the engine thread).
 
 Down: the blocks holding a transcript's prefix are gathered into per-layer tensors
-[kv_heads, tokens, head_dim] on the host (pinned, asynchronous on CUDA), as many as admission
-says its reservations take beyond the free blocks, before they are allocated. Up (`restore`, which
-the model runner calls): a snapshot's tokens are written into blocks the scheduler took from the
-request's reservation; the scheduler then publishes them under their prefix hashes, so the request
-that restored them, and any later one, finds them like computed blocks.
+[kv_heads, tokens, row] on the host (pinned, asynchronous on CUDA), as many as admission
+says its reservations take beyond the free blocks, before they are allocated. A tier set to keep
+fewer bits than the pool (`TierFormats`) gets them quantized on the device, before the copy. Up
+(`restore`, which the model runner calls): a snapshot's tokens are written into blocks the
+scheduler took from the request's reservation, converted back to the pool's format on the device;
+the scheduler then publishes them under their prefix hashes, so the request that restored them,
+and any later one, finds them like computed blocks.
 """
 
 from __future__ import annotations
 
 import logging
+from functools import cached_property
 
 import torch
 
 from server.kv.block_store import WriteJob, addresses
 from server.kv.blocks import BlockManager
-from server.kv.pool import KVPool
+from server.kv.pool import KVLayout, KVPool
 from server.kv.snapshot import Snapshot
 from server.kv.tiers import TierStore
 from server.sessions.record import SessionKey
@@ -39,33 +42,47 @@ def restore(pool: KVPool, block_ids: list[int], snapshot: Snapshot, first: int, 
     `first`, a block boundary)."""
     snapshot.wait()
     slots = pool.slots(block_ids, num_tokens - first)
-    pool.scatter(slots, [k[:, first:num_tokens] for k in snapshot.k], [v[:, first:num_tokens] for v in snapshot.v])
+    k, v = [k[:, first:num_tokens] for k in snapshot.k], [v[:, first:num_tokens] for v in snapshot.v]
+    pool.scatter(slots, k, v, snapshot.layout)  # converted to the pool's format where a tier keeps fewer bits
 
 
 class Offloader:
     """Which sessions' K/V leave the pool for the tiers, and when."""
 
     def __init__(
-        self, pool: KVPool, manager: BlockManager, store: SessionStore, tiers: TierStore, model_id: str, fp: str
+        self, pool: KVPool, manager: BlockManager, store: SessionStore, tiers: TierStore, model_id: str, digests: str
     ) -> None:
+        """`digests`: the model's (`ModelDigests.text`): with a layout, the K/V fingerprint of each stored form."""
         if tiers.block_size != manager.block_size:  # blocks below the pool are addressed by the pool's blocks
             raise ValueError(f"the tiers' block size {tiers.block_size} differs from the pool's {manager.block_size}")
         self.pool, self.manager, self.store, self.tiers = pool, manager, store, tiers
-        self.model_id, self.fingerprint = model_id, fp
+        self.model_id, self.digests = model_id, digests
         self.num_spilled = 0
+
+    @cached_property
+    def layouts(self) -> dict[str, KVLayout]:
+        """How each tier keeps this pool's K/V."""
+        return self.tiers.formats.layouts(self.pool.layout)
+
+    def fits(self, snapshot: Snapshot) -> bool:
+        """A snapshot this pool can restore: this model's K/V, computed as the pool computes it (its stored form
+        may differ: it is converted)."""
+        return snapshot.digests == self.digests and snapshot.layout.computed == self.pool.layout.computed
 
     def gather(self, key: SessionKey, token_ids: list[int]) -> Snapshot | None:
         """A host copy of the K/V the pool holds for a prefix of `token_ids` (None when it holds none)."""
         blocks, num_tokens = self.manager.chain(key.tenant, token_ids)
         if num_tokens == 0:
             return None
-        k, v = self.pool.gather(self.pool.slots([b.block_id for b in blocks], num_tokens))
+        layout = self.layouts["host"]
+        k, v = self.pool.gather(self.pool.slots([b.block_id for b in blocks], num_tokens), layout)
         ready = None
         if self.pool.device.type == "cuda":
             k, v = [_to_host(t) for t in k], [_to_host(t) for t in v]
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()
-        return Snapshot(key, self.model_id, self.fingerprint, list(token_ids[:num_tokens]), k, v, ready=ready)
+        ids = list(token_ids[:num_tokens])
+        return Snapshot(key, self.model_id, layout, self.digests, ids, k, v, ready=ready)
 
     def spill(self, num_short: int) -> None:
         """Before the pool evicts cached blocks (`num_short`: how many reserved blocks the free ones lack), copy
@@ -117,12 +134,13 @@ class Offloader:
             return
         try:
             blocks, num_tokens = self.manager.chain(key.tenant, token_ids)
-            bs = self.manager.block_size
-            names = addresses(self.fingerprint, bs, key.tenant, token_ids[: num_tokens - num_tokens % bs])
+            bs, layout = self.manager.block_size, self.layouts["shared"]
+            full = token_ids[: num_tokens - num_tokens % bs]
+            names = addresses(layout.fingerprint(self.digests), bs, key.tenant, full)
             new = shared.unknown(names)
             if not new:
                 return
-            k, v = self.pool.gather(self.pool.slots([blocks[i].block_id for i in new], len(new) * bs))
+            k, v = self.pool.gather(self.pool.slots([blocks[i].block_id for i in new], len(new) * bs), layout)
             if self.pool.device.type == "cuda":
                 k, v = [t.cpu() for t in k], [t.cpu() for t in v]
             shared.put(WriteJob([names[i] for i in new], k, v, bs))  # block j of the job: tokens j*bs ..
@@ -141,11 +159,11 @@ class Offloader:
     def fetch(self, key: SessionKey, prompt_ids: list[int]) -> Snapshot | None:
         """On the loader thread: the session's snapshot in host RAM, else the leading blocks of its prompt that
         the block store holds (disk, then Redis; checked)."""
-        snapshot = self.tiers.fetch(key, self.model_id, self.fingerprint)
+        snapshot = self.tiers.fetch(key, self.model_id, self.digests, self.pool.layout)
         if snapshot is not None:
             return snapshot
         usable = prompt_ids[: len(prompt_ids) - 1]  # the last prompt token is always computed, for its logits
-        return self.tiers.read(key, usable, self.model_id, self.fingerprint, self.pool.layout)
+        return self.tiers.read(key, usable, self.model_id, self.digests, self.pool.layout)
 
     def save(self, key: SessionKey, token_ids: list[int]) -> bool:
         """Best effort: a session whose copy fails (e.g. out of memory) just recomputes later."""

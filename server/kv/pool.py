@@ -14,7 +14,7 @@ it, and stores the quantized bytes as they are. Only the slots a step reads are 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # the quantized formats, by their setting's name
 _LARGEST = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_BYTES = 4  # a float32 scale after each quantized row
+TIER_KV_DTYPES = ("pool", "int8", "fp8")  # how a tier below the pool may keep K/V: as it comes, or in 8 bits
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +61,18 @@ class KVLayout:
         """2 (K and V) x layers x kv_heads x a row's bytes (head_dim elements, + a float32 scale when quantized)."""
         element = torch.empty((), dtype=self.storage_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.row_width * element
+
+    @property
+    def computed(self) -> KVLayout:
+        """This layout unquantized: K/V of two layouts with the same one are the same values, stored two ways."""
+        return replace(self, kv_dtype=None)
+
+    def stored_as(self, name: str) -> KVLayout:
+        """How a tier set to `name` (TIER_KV_DTYPES) keeps K/V that comes to it in this layout: as it comes
+        (`pool`), or quantized when it comes unquantized (already 8 bits: nothing smaller, so as it comes)."""
+        if name == "pool" or self.is_quantized:
+            return self
+        return replace(self, kv_dtype=KV_DTYPES[name])
 
     @property
     def describe(self) -> str:
@@ -110,6 +123,14 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     dim = raw.shape[-1] - SCALE_BYTES
     scale = raw[..., dim:].contiguous().view(torch.float32)
     return (raw[..., :dim].view(rows.dtype).float() * scale).to(dtype)
+
+
+def convert(rows: torch.Tensor, source: KVLayout, target: KVLayout) -> torch.Tensor:
+    """Rows [..., row] stored in `source`'s format as `target` stores them (the same layout: as they are)."""
+    if source.storage_dtype == target.storage_dtype:
+        return rows
+    values = dequantize(rows, source.dtype) if source.is_quantized else rows
+    return quantize(values, target.kv_dtype) if target.kv_dtype is not None else values.to(target.dtype)
 
 
 class KVPool:
@@ -168,15 +189,25 @@ class KVPool:
             raw = _bits(tensor)
             raw[:, dst : dst + num_slots] = raw[:, src : src + num_slots]
 
-    def gather(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of these slots' K and V as stored, per layer [kv_heads, len(slots), row]."""
-        return [_select(t, slots) for t in self.k], [_select(t, slots) for t in self.v]
+    def gather(
+        self, slots: torch.Tensor, layout: KVLayout | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of these slots' K and V, per layer [kv_heads, len(slots), row], as `layout` stores them (None: as
+        the pool does; converted on the device)."""
+        target = layout or self.layout
+        k = [convert(_select(t, slots), self.layout, target) for t in self.k]
+        return k, [convert(_select(t, slots), self.layout, target) for t in self.v]
 
-    def scatter(self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        """Write per-layer K and V [kv_heads, len(slots), row] as stored into these slots (one copy per layer)."""
+    def scatter(
+        self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], layout: KVLayout | None = None
+    ) -> None:
+        """Write per-layer K and V [kv_heads, len(slots), row] stored as `layout` stores them (None: as the pool
+        does) into these slots, converted on the device to the pool's format (one copy per layer)."""
+        source = layout or self.layout
         for pool_k, pool_v, layer_k, layer_v in zip(self.k, self.v, k, v, strict=True):
-            _bits(pool_k).index_copy_(1, slots, _bits(layer_k.to(self.device, non_blocking=True)))
-            _bits(pool_v).index_copy_(1, slots, _bits(layer_v.to(self.device, non_blocking=True)))
+            for pool, rows in ((pool_k, layer_k), (pool_v, layer_v)):
+                rows = convert(rows.to(self.device, non_blocking=True), source, self.layout)
+                _bits(pool).index_copy_(1, slots, _bits(rows))
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

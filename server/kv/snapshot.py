@@ -1,14 +1,15 @@
 """A session's K/V off the device: a snapshot in host memory, and the stored form of its blocks.
 
-A `Snapshot` holds per-layer host tensors [kv_heads, tokens, head_dim] for a prefix of a
-transcript. Below host RAM the K/V is kept a block at a time (`server/kv/block_store.py`), and
-every backend of the block store (a disk directory, Redis) holds the same bytes per block: a
-safetensors document (never pickle) with one tensor `kv` [2, layers, kv_heads, tokens,
-head_dim] (K then V; a quantized pool's rows as it stores them, head_dim values and their scale)
-and a header naming the format and its version, the block's content address, the K/V dtype it
-is stored in and a SHA-256 of the tensor's bytes: equal blocks are equal bytes. A value that fails
-any check (truncated, flipped, another format or version, stored under another address,
-another shape) decodes to None and its tokens are recomputed, never served.
+A `Snapshot` holds per-layer host tensors [kv_heads, tokens, row] for a prefix of a transcript,
+stored as its layout says (the pool's format, or 8 bits where a tier keeps fewer). Below host RAM
+the K/V is kept a block at a time (`server/kv/block_store.py`), and every backend of the block
+store (a disk directory, Redis) holds the same bytes per block: a safetensors document (never
+pickle) with one tensor `kv` [2, layers, kv_heads, tokens, row] (K then V; quantized rows are
+head_dim values and their scale) and a header naming the format and its version, the block's
+content address, the K/V dtype it is stored in and a SHA-256 of the tensor's bytes: equal blocks
+are equal bytes. A value that fails any check (truncated, flipped, another format or version,
+stored under another address, another shape) decodes to None and its tokens are recomputed,
+never served.
 """
 
 from __future__ import annotations
@@ -34,12 +35,18 @@ VERSION = "1"
 class Snapshot:
     key: SessionKey
     model_id: str
-    fingerprint: str  # K/V layout: a snapshot only fits a model with the same one
+    layout: KVLayout  # how its K/V is stored (a tier may keep it in fewer bits than the pool: converted back)
+    digests: str  # the model's weights, config and tokenizer (`ModelDigests.text`): what else decides its K/V
     token_ids: list[int]
-    k: list[torch.Tensor]  # per layer [kv_heads, tokens, head_dim]
+    k: list[torch.Tensor]  # per layer [kv_heads, tokens, row] as `layout` stores it
     v: list[torch.Tensor]
     ready: torch.cuda.Event | None = None  # set while an asynchronous copy to host is in flight
     origin: str = "host"  # the tier it was read from: host | disk | shared
+
+    @property
+    def fingerprint(self) -> str:
+        """The K/V fingerprint of its stored form (its blocks' addresses)."""
+        return self.layout.fingerprint(self.digests)
 
     @property
     def num_tokens(self) -> int:

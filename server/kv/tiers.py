@@ -22,12 +22,28 @@ import torch
 
 from server.kv.block_store import BlockStore, addresses, join_blocks
 from server.kv.disk_tier import DiskTier
-from server.kv.pool import KVLayout
+from server.kv.pool import KVLayout, convert
 from server.kv.snapshot import Snapshot
 from server.sessions.journal import Tombstones
 from server.sessions.record import SessionKey
 
 log = logging.getLogger("kvserve.tiers")
+
+
+@dataclass(slots=True, frozen=True)
+class TierFormats:
+    """How each tier keeps the K/V it is given (`TIER_KV_DTYPES`): as it comes (`pool`), or in 8 bits (int8, fp8)
+    where it comes in more; a restore converts it back to the pool's format."""
+
+    host: str = "pool"
+    disk: str = "pool"
+    shared: str = "pool"  # Redis
+
+    def layouts(self, pool: KVLayout) -> dict[str, KVLayout]:
+        """The layout each tier holds a pool's K/V in: host RAM's comes from the pool, the disk's from host RAM
+        (snapshots move down through it), Redis's from the pool."""
+        host = pool.stored_as(self.host)
+        return {"host": host, "disk": host.stored_as(self.disk), "shared": pool.stored_as(self.shared)}
 
 
 @dataclass(slots=True)
@@ -52,11 +68,18 @@ class TierStats:
 
 class TierStore:
     def __init__(
-        self, host_budget_bytes: int, disk_budget_bytes: int, directory: Path | None, block_size: int = 16
+        self,
+        host_budget_bytes: int,
+        disk_budget_bytes: int,
+        directory: Path | None,
+        block_size: int = 16,
+        formats: TierFormats = TierFormats(),
     ) -> None:
-        self.host_budget_bytes, self.block_size = host_budget_bytes, block_size
+        self.host_budget_bytes, self.block_size, self.formats = host_budget_bytes, block_size, formats
         self._deleted = Tombstones()  # shared with the disk tier
-        self.disk = DiskTier(directory, disk_budget_bytes, block_size, self._deleted) if directory is not None else None
+        self.disk = None
+        if directory is not None:
+            self.disk = DiskTier(directory, disk_budget_bytes, block_size, self._deleted, formats.disk)
         self.shared: BlockStore | None = None  # replicas: blocks in Redis, below this process's tiers
         self.is_enabled = host_budget_bytes > 0 or directory is not None  # a snapshot has somewhere to go
         self._lock = threading.RLock()
@@ -129,8 +152,9 @@ class TierStore:
         disk = self.disk.manifest(key, use=False) if self.disk is not None else None
         return len(disk.token_ids) if disk is not None else 0
 
-    def fetch(self, key: SessionKey, model_id: str, fingerprint: str) -> Snapshot | None:
-        """The snapshot of `key` in host RAM (or on its way to disk), or None."""
+    def fetch(self, key: SessionKey, model_id: str, digests: str, pool: KVLayout) -> Snapshot | None:
+        """The snapshot of `key` in host RAM (or on its way to disk), or None; one of another model, or of K/V
+        computed otherwise than this pool's (another dtype, another layout), is None too."""
         with self._lock:
             snap = self._host.get(key) or self._writing.get(key)
             if snap is None:
@@ -138,31 +162,42 @@ class TierStore:
             if key in self._host:
                 self._host.move_to_end(key)
             snap.origin = "host"
-            return snap if snap.model_id == model_id and snap.fingerprint == fingerprint else None
+            fits = snap.model_id == model_id and snap.digests == digests and snap.layout.computed == pool.computed
+            return snap if fits else None
 
     def read(
-        self, key: SessionKey, usable_ids: list[int], model_id: str, fingerprint: str, layout: KVLayout
+        self, key: SessionKey, usable_ids: list[int], model_id: str, digests: str, pool: KVLayout
     ) -> Snapshot | None:
         """From the block store (blocking: call off the loop): the leading run of `usable_ids`' blocks on disk
-        (with `key`'s partial last block), continued from the shared tier where the disk stops."""
-        full = addresses(fingerprint, self.block_size, key.tenant, usable_ids)
+        (with `key`'s partial last block), continued from the shared tier where the disk stops. Each tier's blocks
+        are addressed and checked in the format it keeps this pool's K/V in (`TierFormats`)."""
+        layouts = self.formats.layouts(pool)
+        layout = layouts["disk"]
+        disk_fp, shared_fp = layout.fingerprint(digests), layouts["shared"].fingerprint(digests)
+        full = addresses(disk_fp, self.block_size, key.tenant, usable_ids)
         blocks: list[torch.Tensor] = []
         tail_block, origin = None, "disk"
         if self.disk is not None:
-            tail = self.disk.tail(key, fingerprint, usable_ids)
+            tail = self.disk.tail(key, disk_fp, usable_ids)
             names = [*full[: tail[0]], tail[1]] if tail is not None else full
             blocks = self.disk.store.read_run(names, layout)
             if tail is not None and len(blocks) == len(names):
                 tail_block = blocks.pop()  # used unless the shared tier holds full blocks past it
         if self.shared is not None and len(blocks) < len(full):
-            more = self.shared.read_run(full[len(blocks) :], layout)
+            shared = full if shared_fp == disk_fp else addresses(shared_fp, self.block_size, key.tenant, usable_ids)
+            more = self.shared.read_run(shared[len(blocks) :], layouts["shared"])
+            if more and blocks and layouts["shared"] != layout:  # two formats: both as the pool keeps them
+                blocks = [convert(b, layout, pool) for b in blocks]
+                more, layout = [convert(b, layouts["shared"], pool) for b in more], pool
+            elif more:
+                layout = layouts["shared"]
             if more:
                 blocks, tail_block, origin = blocks + more, None, "shared"
         blocks += [tail_block] if tail_block is not None else []
         if not blocks:
             return None
         k, v = join_blocks(blocks)
-        snap = Snapshot(key, model_id, fingerprint, list(usable_ids[: k[0].shape[1]]), k, v, origin=origin)
+        snap = Snapshot(key, model_id, layout, digests, list(usable_ids[: k[0].shape[1]]), k, v, origin=origin)
         with self._lock:
             if origin == "disk" and snap.nbytes <= self.host_budget_bytes and key not in self._deleted:
                 self._host[key] = snap  # use brings it back up; the disk copy stays valid

@@ -18,6 +18,7 @@ from server.engine.request import GenerationRequest, SamplingParams
 from server.engine.scheduler import MIN_PREFILL_CHUNK, SOLO_PREFILL_FACTOR, Row, Scheduler
 from server.engine.sequence import Sequence, SequenceStatus
 from server.kv.blocks import BlockManager
+from server.kv.pool import KVLayout
 from server.kv.snapshot import Snapshot
 from server.sessions.record import SessionKey
 
@@ -29,10 +30,13 @@ LOADED = SimpleNamespace(vocab_size=16, device=torch.device("cpu"), tokenizer=No
 
 
 class Tiers:
-    """The scheduler's view of the tiers below the pool: which sessions they may hold more of, and the fingerprint."""
+    """The scheduler's view of the tiers below the pool: which sessions they may hold more of, which K/V fits."""
 
-    def __init__(self, held: dict[SessionKey, int] | None = None, fingerprint: str = "fp") -> None:
-        self.held, self.fingerprint = held or {}, fingerprint
+    def __init__(self, held: dict[SessionKey, int] | None = None, digests: str = "fp") -> None:
+        self.held, self.digests = held or {}, digests
+
+    def fits(self, snapshot: Snapshot) -> bool:
+        return snapshot.digests == self.digests
 
     def can_restore(self, key: SessionKey, num_in_pool: int) -> bool:
         return self.held.get(key, 0) > num_in_pool
@@ -207,8 +211,9 @@ def loaded(seq: Sequence, snapshot: Snapshot | None) -> None:
     seq.loading.set_result(snapshot)
 
 
-def snapshot(key: SessionKey, token_ids, fingerprint: str = "fp", origin: str = "disk") -> Snapshot:
-    return Snapshot(key, "m", fingerprint, list(token_ids), [], [], origin=origin)  # its tensors are never read here
+def snapshot(key: SessionKey, token_ids, digests: str = "fp", origin: str = "disk") -> Snapshot:
+    layout = KVLayout(1, 1, 1, torch.float32)  # its tensors are never read here
+    return Snapshot(key, "m", layout, digests, list(token_ids), [], [], origin=origin)
 
 
 def test_a_snapshot_the_tiers_may_hold_is_read_first_then_restored():
@@ -264,14 +269,14 @@ def test_a_restore_past_the_pool_keeps_the_shared_blocks_it_covers():
     assert len(sched.blocks_to_fill(admission)) == 3  # tokens 4..12 past the shared block
 
 
-def test_a_snapshot_of_another_fingerprint_or_no_longer_than_the_pool_is_not_restored():
+def test_a_snapshot_of_another_model_or_no_longer_than_the_pool_is_not_restored():
     key = SessionKey("default", "s")
     prompt = list(range(40, 54))
     sched = scheduler(tiers=Tiers({key: 20}))
     seq = sequence("s", prompt, kv_source=key)
     add(sched, seq)
     sched.admit()
-    loaded(seq, snapshot(key, prompt, fingerprint="another model"))
+    loaded(seq, snapshot(key, prompt, digests="another model"))
     [admission] = sched.admit().admissions
     assert (admission.load, admission.restore, admission.num_cached, admission.source) == (None, None, 0, "none")
 

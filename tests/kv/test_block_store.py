@@ -148,20 +148,20 @@ def test_a_read_takes_the_disk_run_and_goes_on_from_redis_where_the_disk_stops(t
     tiers.shared = BlockStore(RedisBlocks(server.url), "shared", known_limit=KNOWN_LIMIT)
     key, ids = SessionKey("t", "a"), list(range(16))
     k, v = kv(16)
-    tiers.put(Snapshot(key, "m", FP, ids[:10], [t[:, :10] for t in k], [t[:, :10] for t in v]))  # turn 1, here
+    tiers.put(Snapshot(key, "m", LAYOUT, "", ids[:10], [t[:, :10] for t in k], [t[:, :10] for t in v]))  # turn 1, here
     tiers.flush_pending()
     names = addresses(FP, BS, "t", ids)
     tiers.shared.put(WriteJob(names, k, v, BS))  # all 4 blocks, as another replica computed them later
     tiers.shared.flush()
     disk = tiers.disk.store.backend
     assert disk.read(names[:2]) == tiers.shared.backend.read(names[:2])  # the same bytes under the same address
-    got = tiers.read(key, [*ids, 99], "m", FP, LAYOUT)
+    got = tiers.read(key, [*ids, 99], "m", "", LAYOUT)
     assert (got.token_ids, got.origin) == (ids, "shared")  # 2 blocks from disk, then 2 from Redis
     assert all(torch.equal(x, y) for x, y in zip(got.k + got.v, k + v, strict=True))
     assert tiers.disk.store.stats.num_read == 3  # the disk's blocks and its tail (dropped for Redis' fuller block)
     assert tiers.shared.stats.num_read == 2
     server.stop()  # Redis gone: what the disk holds still restores, its tail included
-    got = tiers.read(key, [*ids, 99], "m", FP, LAYOUT)
+    got = tiers.read(key, [*ids, 99], "m", "", LAYOUT)
     assert (got.token_ids, got.origin) == (ids[:10], "disk")
     tiers.shared.close()
     tiers.close()

@@ -15,9 +15,9 @@ import torch
 
 from server.kv import kernels
 from server.kv.block_store import BlockStore, WriteJob, addresses
-from server.kv.pool import KVLayout, KVPool, dequantize, quantize, stored_dtype
-from server.kv.snapshot import decode_block, encode_block
-from server.kv.tiers import TierStore
+from server.kv.pool import KVLayout, KVPool, convert, dequantize, quantize, stored_dtype
+from server.kv.snapshot import Snapshot, decode_block, encode_block
+from server.kv.tiers import TierFormats, TierStore
 from server.sessions.record import SessionKey
 from tests.helpers import make_engine, run
 
@@ -196,8 +196,9 @@ def test_the_server_setting_applies_where_the_model_names_none(tiny_spec):
     from tests.http.conftest import wait_ready
 
     own = dataclasses.replace(tiny_spec, id="own", kv_dtype="fp8")
-    settings = Settings(kv_dtype="int8", kv_budget_bytes=4 << 20)
-    with TestClient(create_app(settings, specs=[tiny_spec, own])) as client:
+    plain = dataclasses.replace(tiny_spec, id="plain", kv_dtype="compute")
+    settings = Settings(kv_dtype="int8", kv_budget_bytes=4 << 20, disk_kv_dtype="int8")
+    with TestClient(create_app(settings, specs=[tiny_spec, own, plain])) as client:
         wait_ready(client)
         engines = client.app.state.host.engines
         assert engines["tiny"].runner.pool.k[0].dtype == torch.int8
@@ -206,6 +207,11 @@ def test_the_server_setting_applies_where_the_model_names_none(tiny_spec):
         assert model["kv_dtype"] == "int8"
         assert model["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 4)  # K+V x layers x kv_heads x a row with its scale
         assert client.get("/v1/models/own").json()["kv_dtype"] == "float8_e4m3fn"
+        assert model["tier_kv_dtypes"] == {"host": "int8", "disk": "int8", "shared": "int8"}  # 8 bits already
+        plain_model = client.get("/v1/models/plain").json()
+        computed = plain_model["dtype"]
+        assert plain_model["kv_dtype"] == computed
+        assert plain_model["tier_kv_dtypes"] == {"host": computed, "disk": "int8", "shared": computed}
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
         for sid in ("s", "s"):  # a session's second turn reads its quantized K/V from the pool
             reply = client.post("/v1/chat/completions", json=body, headers={"X-Session-ID": sid})
@@ -252,3 +258,133 @@ async def test_prefill_chunks_over_a_quantized_pool_read_their_blocks_through_th
         assert with_kernel.token_ids == with_sdpa.token_ids
         sdpa = dict(with_sdpa.logprobs[0].top)
         assert max(abs(lp - sdpa[t]) for t, lp in with_kernel.logprobs[0].top if t in sdpa) < 0.3
+
+
+def test_a_tier_quantizes_only_what_comes_to_it_in_more_bits():
+    bf16 = KVLayout(30, 3, 64, torch.bfloat16)
+    int8 = bf16.stored_as("int8")
+    assert (int8.kv_dtype, int8.computed) == (torch.int8, bf16)
+    assert bf16.stored_as("pool") is bf16
+    assert int8.stored_as("fp8") is int8  # 8 bits already: nothing smaller to be had
+    # Host RAM's copies come from the pool, the disk's from host RAM, Redis's from the pool.
+    layouts = TierFormats(host="int8", disk="fp8").layouts(bf16)
+    assert [layouts[t].kv_dtype for t in ("host", "disk", "shared")] == [torch.int8, torch.int8, None]
+    assert TierFormats(disk="fp8").layouts(int8) == {"host": int8, "disk": int8, "shared": int8}
+    rows = rows_of(3, 5, 64).to(torch.bfloat16)
+    assert convert(rows, bf16, bf16) is rows
+    quantized = convert(rows, bf16, int8)
+    assert torch.equal(quantized.view(torch.uint8), quantize(rows, torch.int8).view(torch.uint8))
+    assert torch.equal(convert(quantized, int8, bf16), dequantize(quantized, torch.bfloat16))
+
+
+def test_the_disk_keeps_a_compute_dtype_snapshot_in_8_bits_and_another_setting_finds_none_of_it(tmp_path):
+    layout, key, ids = KVLayout(2, 2, 64, torch.float32), SessionKey("t", "a"), list(range(10))
+    k = [rows_of(2, 10, 64, seed).float() for seed in (1, 2)]
+    v = [rows_of(2, 10, 64, seed).float() for seed in (3, 4)]
+    held = {}
+    for setting in ("pool", "int8"):
+        tiers = TierStore(0, 1 << 30, tmp_path / setting, 4, TierFormats(disk=setting))
+        tiers.put(Snapshot(key, "m", layout, "", ids, k, v))  # no host RAM: straight on to the disk
+        tiers.flush_pending()
+        held[setting] = tiers.usage(key).disk_bytes
+        got = tiers.read(key, [*ids, 99], "m", "", layout)
+        assert got is not None
+        assert got.token_ids == ids
+        assert got.layout == layout.stored_as(setting)
+        for stored, original in zip(got.k + got.v, k + v, strict=True):
+            expected = original if setting == "pool" else quantize(original, torch.int8)
+            assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))
+        tiers.close()
+    assert held["int8"] < held["pool"] / 2  # 68 bytes a row (64 values and a float32 scale), not 256
+    restarted = TierStore(0, 1 << 30, tmp_path / "int8", 4)  # the disk tier set back to the pool's format
+    assert restarted.scan({key}) == 1
+    assert restarted.read(key, [*ids, 99], "m", "", layout) is None  # int8 blocks are not this format's: recomputed
+    restarted.close()
+
+
+def pool_kv(engine, token_ids: list[int]) -> torch.Tensor:
+    """The K/V the engine's pool holds for these tokens, in its format: [2, layers, kv_heads, tokens, row]."""
+    blocks, num_tokens = engine.blocks.chain("default", token_ids)
+    assert num_tokens >= len(token_ids)
+    pool = engine.runner.pool
+    k, v = pool.gather(pool.slots([b.block_id for b in blocks], len(token_ids)))
+    return torch.stack([torch.stack(k), torch.stack(v)])
+
+
+@pytest.mark.parametrize("tier", ["host", "disk", "shared"])
+async def test_a_tier_set_to_int8_keeps_a_compute_dtype_pool_s_session_in_8_bits_and_restores_it(tiny, tmp_path, tier):
+    from server.kv.redis_blocks import RedisBlocks
+    from tests.e2e.redis_server import Redis
+
+    block, token_bytes = 4, KVLayout(2, 2, 16, tiny.dtype).bytes_per_token  # computed in float64: exact tests
+    formats = TierFormats(**{tier: "int8"})
+    redis = Redis(tmp_path) if tier == "shared" else None
+    tiers = TierStore((1 << 30) if tier == "host" else 0, 1 << 30, None if redis else tmp_path / "kv", block, formats)
+    if redis is not None:
+        tiers.shared = BlockStore(RedisBlocks(redis.url), "shared")
+    engine = make_engine(tiny, tiers=tiers, budget_bytes=24 * block * token_bytes, block_size=block)
+    fresh = make_engine(tiny, budget_bytes=256 * block * token_bytes, block_size=block)
+    try:
+        assert not engine.runner.layout.is_quantized
+        prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
+        first = await run(engine, prompt, session="a", max_tokens=6, ignore_eos=True)
+        transcript = prompt + first.token_ids
+        if tiers.shared is not None:
+            tiers.shared.flush()
+        for i, text in enumerate(["Paris is the capital of France;", "Numbers 0123456789 and symbols !?."] * 2):
+            await run(engine, words(tiny, text * 2), session=f"other{i}", max_tokens=4, ignore_eos=True)
+        tiers.flush_pending()
+        turn2 = transcript + words(tiny, " Hello world")
+        kept = engine.offloader.fetch(SessionKey("default", "a"), turn2)  # what the tier holds, as it holds it
+        assert kept is not None
+        assert kept.layout.kv_dtype == torch.int8
+        assert kept.k[0].dtype == torch.int8
+        second = await run(engine, turn2, session="a", max_tokens=5, ignore_eos=True)
+        assert second.admitted.source == tier
+        num_restored = second.admitted.num_cached
+        assert num_restored >= (len(transcript) - 1) // block * block  # Redis keeps full blocks only
+        computed = await run(fresh, turn2, session="ref", max_tokens=5, ignore_eos=True)
+        assert computed.admitted.num_cached == 0
+        restored, exact = pool_kv(engine, turn2[:num_restored]), pool_kv(fresh, turn2[:num_restored])
+        # Restored into the pool's dtype: each row is its int8 rounding (within half a step of its own scale)
+        step = exact.abs().amax(-1, keepdim=True) / 127
+        assert ((restored - exact).abs() <= step / 2 + 1e-6).all()
+        assert not torch.equal(restored, exact)
+    finally:
+        engine.stop()
+        fresh.stop()
+        tiers.close()
+        if tiers.shared is not None:
+            tiers.shared.close()
+        if redis is not None:
+            redis.stop()
+
+
+def test_a_read_from_a_disk_in_8_bits_going_on_from_redis_in_the_pool_s_format_converts_both_to_the_pool_s(
+    tmp_path,
+):
+    from server.kv.redis_blocks import RedisBlocks
+    from tests.e2e.redis_server import Redis
+
+    server = Redis(tmp_path)
+    layout, key, ids = KVLayout(2, 2, 8, torch.float32), SessionKey("t", "a"), list(range(16))
+    k = [rows_of(2, 16, 8, seed).float() for seed in (1, 2)]
+    v = [rows_of(2, 16, 8, seed).float() for seed in (3, 4)]
+    tiers = TierStore(0, 1 << 30, tmp_path / "kv", 4, TierFormats(disk="int8"))
+    tiers.shared = BlockStore(RedisBlocks(server.url), "shared")
+    try:
+        tiers.put(Snapshot(key, "m", layout, "", ids[:8], [t[:, :8] for t in k], [t[:, :8] for t in v]))
+        tiers.flush_pending()
+        tiers.shared.put(WriteJob(addresses(layout.fingerprint(), 4, "t", ids), k, v, 4))  # all 4, as computed
+        tiers.shared.flush()
+        got = tiers.read(key, [*ids, 99], "m", "", layout)
+        assert got is not None
+        assert (got.token_ids, got.origin, got.layout) == (ids, "shared", layout)
+        for stored, original in zip(got.k + got.v, k + v, strict=True):
+            rounded = dequantize(quantize(original[:, :8], torch.int8), torch.float32)
+            assert torch.equal(stored[:, :8], rounded)  # the disk's two blocks, from int8
+            assert torch.equal(stored[:, 8:], original[:, 8:])  # then Redis's, as they were
+    finally:
+        tiers.shared.close()
+        tiers.close()
+        server.stop()

@@ -25,7 +25,7 @@ def make(name: str, num_tokens: int = 8, tenant: str = "t", seed: int = 0, first
     gen = torch.Generator().manual_seed(seed)
     k = [torch.randn(1, num_tokens, 4, generator=gen) for _ in range(2)]  # [kv_heads, tokens, head_dim]
     v = [torch.randn(1, num_tokens, 4, generator=gen) for _ in range(2)]
-    return Snapshot(SessionKey(tenant, name), "m", FP, list(range(first, first + num_tokens)), k, v)
+    return Snapshot(SessionKey(tenant, name), "m", LAYOUT, "", list(range(first, first + num_tokens)), k, v)
 
 
 def tiers_at(directory, host: int = 0, disk: int = 1 << 30) -> TierStore:
@@ -33,7 +33,7 @@ def tiers_at(directory, host: int = 0, disk: int = 1 << 30) -> TierStore:
 
 
 def read(tiers: TierStore, name: str, prompt: list[int], tenant: str = "t") -> Snapshot | None:
-    return tiers.read(SessionKey(tenant, name), prompt, "m", FP, LAYOUT)
+    return tiers.read(SessionKey(tenant, name), prompt, "m", "", LAYOUT)
 
 
 def block_files(directory) -> list:
@@ -53,7 +53,7 @@ def test_host_overflow_moves_the_least_recent_to_disk_and_use_brings_it_back(tmp
     usage = {n: tiers.usage(SessionKey("t", n)) for n in "abc"}
     assert (usage["a"].host_bytes, usage["a"].disk_tokens) == (0, 8)  # the oldest went down
     assert usage["b"].host_bytes == usage["c"].host_bytes == one
-    assert tiers.fetch(SessionKey("t", "a"), "m", FP) is None  # not in host RAM any more
+    assert tiers.fetch(SessionKey("t", "a"), "m", "", LAYOUT) is None  # not in host RAM any more
     back = read(tiers, "a", [*range(8), 99])
     assert back is not None
     assert (back.origin, back.token_ids) == ("disk", list(range(8)))
@@ -102,7 +102,7 @@ def test_a_prompt_reads_the_leading_blocks_it_shares_and_the_tail_only_where_it_
     assert read(tiers, "a", [0, 1, 2, 3, 9, 9, 9, 9, 9]).token_ids == [0, 1, 2, 3]
     assert read(tiers, "a", [9, 1, 2, 3, 4]) is None
     assert read(tiers, "a", list(range(10)), tenant="other") is None  # another tenant's prompt finds nothing
-    assert tiers.read(SessionKey("t", "a"), list(range(10)), "m", "another layout", LAYOUT) is None
+    assert tiers.read(SessionKey("t", "a"), list(range(10)), "m", "another model", LAYOUT) is None
     tiers.close()
 
 
@@ -184,7 +184,7 @@ def test_another_models_request_leaves_the_blocks_alone(tmp_path):
     tiers = tiers_at(tmp_path)
     tiers.put(make("a"))
     tiers.flush()
-    assert tiers.read(SessionKey("t", "a"), [*range(8), 1], "m", "layers=2,other", LAYOUT) is None
+    assert tiers.read(SessionKey("t", "a"), [*range(8), 1], "m", "another model", LAYOUT) is None
     assert tiers.path_for(SessionKey("t", "a")).exists()  # not ours to delete
     assert len(block_files(tmp_path)) == 2
     assert read(tiers, "a", [*range(8), 1]) is not None

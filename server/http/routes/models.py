@@ -39,9 +39,14 @@ def model_object(host: ModelHost, model_id: str) -> dict:
         "dtype_reason": loaded.dtype_reason if loaded else None,
         "device": loaded.device.type if loaded else None,
         "kv_bytes_per_token": engine.token_bytes if engine else None,
-        "kv_dtype": str(engine.runner.layout.storage_dtype).removeprefix("torch.") if engine else None,
+        "kv_dtype": _name(engine.runner.layout.storage_dtype) if engine else None,
+        "tier_kv_dtypes": {t: _name(x.storage_dtype) for t, x in engine.offloader.layouts.items()} if engine else None,
         **_fingerprint(host, model_id),
     }
+
+
+def _name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _fingerprint(host: ModelHost, model_id: str) -> dict:
