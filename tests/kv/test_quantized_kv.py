@@ -141,10 +141,17 @@ def words(tiny, text: str) -> list[int]:
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-@pytest.mark.parametrize("tier", ["pool", "host", "disk"])
+@pytest.mark.parametrize("tier", ["pool", "host", "disk", "shared"])
 async def test_a_session_served_from_the_pool_or_a_tier_continues_as_computed_afresh(tiny, tmp_path, kv_dtype, tier):
+    from server.kv.redis_blocks import RedisBlocks
+    from tests.e2e.redis_server import Redis
+
     block, token_bytes = 4, 2 * 2 * 2 * (16 + 4)  # K+V x layers x kv_heads x (head_dim + the scale's 4 bytes)
-    tiers = TierStore((1 << 30) if tier == "host" else 0, 1 << 30, tmp_path / "kv", block_size=block)
+    redis = Redis(tmp_path) if tier == "shared" else None
+    directory = None if redis else tmp_path / "kv"
+    tiers = TierStore((1 << 30) if tier == "host" else 0, 1 << 30, directory, block_size=block)
+    if redis is not None:
+        tiers.shared = BlockStore(RedisBlocks(redis.url), "shared")
     num_blocks = 24 if tier != "pool" else 256
     engine = make_engine(
         tiny, tiers=tiers, budget_bytes=num_blocks * block * token_bytes, block_size=block, kv_dtype=kv_dtype
@@ -156,16 +163,23 @@ async def test_a_session_served_from_the_pool_or_a_tier_continues_as_computed_af
         prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
         first = await run(engine, prompt, session="a", max_tokens=6, ignore_eos=True)
         transcript = prompt + first.token_ids
-        if tier != "pool":  # other sessions fill the pool: a's K/V goes down a tier first
+        whole = (len(transcript) - 1) // block * block  # Redis keeps full blocks only
+        if tiers.shared is not None:
+            tiers.shared.flush()  # the turn's full blocks, in Redis
+        if tier != "pool":  # other sessions fill the pool: a's K/V goes down a tier first (or is dropped)
             for i, text in enumerate(["Paris is the capital of France;", "Numbers 0123456789 and symbols !?."] * 2):
                 await run(engine, words(tiny, text * 2), session=f"other{i}", max_tokens=4, ignore_eos=True)
             tiers.flush_pending()
             usage = tiers.usage(SessionKey("default", "a"))
-            assert (usage.host_tokens if tier == "host" else usage.disk_tokens) == len(transcript) - 1
+            if tier == "shared":  # the quantized blocks, under the int8 / fp8 pool's own addresses
+                names = addresses(engine.fingerprint, block, "default", transcript[:whole])
+                assert all(tiers.shared.backend.held(names))
+            else:
+                assert (usage.host_tokens if tier == "host" else usage.disk_tokens) == len(transcript) - 1
         turn2 = transcript + words(tiny, " Hello world")
         second = await run(engine, turn2, session="a", max_tokens=5, ignore_eos=True)
         assert second.admitted.source == ("device" if tier == "pool" else tier)
-        assert second.admitted.num_cached == len(transcript) - 1
+        assert second.admitted.num_cached == (whole if tier == "shared" else len(transcript) - 1)
         cold = await run(fresh, turn2, max_tokens=5, ignore_eos=True, use_cache=False)
         assert cold.admitted.num_cached == 0
         assert second.token_ids == cold.token_ids
@@ -173,6 +187,10 @@ async def test_a_session_served_from_the_pool_or_a_tier_continues_as_computed_af
         engine.stop()
         fresh.stop()
         tiers.close()
+        if tiers.shared is not None:
+            tiers.shared.close()
+        if redis is not None:
+            redis.stop()
 
 
 def test_models_toml_names_a_k_v_dtype_or_is_refused(tmp_path):
