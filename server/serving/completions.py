@@ -32,7 +32,7 @@ class Completions:
     async def completion(self, req: CompletionRequest, http: Request, tenant: str) -> Response:
         """OpenAI's semantics on a session too: the prompt is the whole text; the cached prefix it shares with
         the session's transcript is reused, and the transcript becomes this prompt and its completion."""
-        s, engine = self.serving.settings, self.serving.engine(req.model)
+        engine = self.serving.engine(req.model)
         loaded = engine.loaded
         key = session_key(req, http, tenant)
         prompt = req.single_prompt()
@@ -41,10 +41,8 @@ class Completions:
         ids = await asyncio.to_thread(completion_ids, req, loaded)  # tokenizing: off the event loop
         reading = Reading(None, "", "cmpl-" + uuid.uuid4().hex)
         turn = Turn(
-            engine, tenant, reading, key, None,
-            sampling=lambda n: sampling_params(
-                req, loaded, n, req.max_tokens, s.default_max_tokens, req.logprobs, s.max_tokens_limit
-            ),
+            engine, tenant, reading, key, None, req.max_tokens,
+            sampling=lambda budget: sampling_params(req, loaded, budget, req.logprobs),
             renderer=renderer(req, engine, is_chat=False),
             stream=req.stream, prompt_ids=ids, schema=structured.format_schema(req.response_format),
             use_cache=req.cache_prompt,
@@ -52,7 +50,7 @@ class Completions:
         return await run_turn(self.serving, turn, http)
 
     async def chat(self, req: ChatCompletionRequest, http: Request, tenant: str) -> Response:
-        s, engine = self.serving.settings, self.serving.engine(req.model)
+        engine = self.serving.engine(req.model)
         loaded = engine.loaded
         key = session_key(req, http, tenant)
         view = await self.serving.session_view(key, engine)
@@ -62,10 +60,8 @@ class Completions:
         reading = Reading.of(loaded.tokenizer, tools, "chatcmpl-" + uuid.uuid4().hex)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         turn = Turn(
-            engine, tenant, reading, key, messages,
-            sampling=lambda n: sampling_params(
-                req, loaded, n, req.output_limit(), s.default_max_tokens, num_logprobs, s.max_tokens_limit
-            ),
+            engine, tenant, reading, key, messages, req.output_limit(),
+            sampling=lambda budget: sampling_params(req, loaded, budget, num_logprobs),
             renderer=renderer(req, engine, is_chat=True),
             stream=req.stream, base=view, schema=structured.format_schema(req.response_format),
             use_cache=req.cache_prompt,

@@ -28,7 +28,7 @@ from server.openai.errors import ApiError
 from server.serving import continuation
 from server.serving.core import Serving, session_key
 from server.serving.pipeline import Placement, Renderer, Turn, run_turn
-from server.serving.prompts import check_text_size, output_budget
+from server.serving.prompts import check_text_size
 from server.serving.render.messages import MessageRenderer
 from server.serving.tool_reader import Reading, ToolReader
 from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, canonical_arguments
@@ -50,7 +50,7 @@ class Messages:
         return {"input_tokens": len(ids)}
 
     async def create(self, req: MessagesRequest, http: Request, tenant: str) -> Response:
-        serving, s = self.serving, self.serving.settings
+        serving = self.serving
         engine = serving.engine(req.model)
         loaded = engine.loaded
         key = session_key(req, http, tenant)
@@ -64,8 +64,7 @@ class Messages:
         boundary = await asyncio.to_thread(prefix_len, loaded, prefix, tools) if prefix is not None else 0
         fmt = req.output_config.format if req.output_config is not None else None
 
-        def sampling(num_prompt: int) -> SamplingParams:
-            budget = output_budget(loaded, num_prompt, req.max_tokens, s.default_max_tokens, s.max_tokens_limit)
+        def sampling(budget: int) -> SamplingParams:
             return SamplingParams(
                 max_tokens=budget, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or 0,
                 stop=list(req.stop_sequences or []),
@@ -86,7 +85,7 @@ class Messages:
             return MessageRenderer(reading.request_id, engine.model_id, reader, num_marked, admitted, ttl)
 
         turn = Turn(
-            engine, tenant, reading, key, messages, sampling, renderer, req.stream, base=view,
+            engine, tenant, reading, key, messages, req.max_tokens, sampling, renderer, req.stream, base=view,
             schema=fmt.schema_ if fmt is not None else None, schema_param="output_config.format", place=place,
         )  # fmt: skip
         return await run_turn(serving, turn, http)

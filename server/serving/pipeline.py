@@ -28,6 +28,7 @@ from server.engine.request import Admitted, Event, Failed, Finished, SamplingPar
 from server.openai.errors import ApiError, failure_body
 from server.serving import continuation, structured
 from server.serving.core import Serving, answer_headers, cancel_on_disconnect
+from server.serving.prompts import output_budget
 from server.serving.tool_reader import Reading, ToolReader
 from server.sessions.chat import ChatMessage
 from server.sessions.record import Session, SessionKey
@@ -89,7 +90,8 @@ class Turn:
     reading: Reading  # its id, its tools and how its reply is read
     named: SessionKey | None  # the session or cache bucket the request names
     messages: list[ChatMessage] | None  # chat's normal form (recorded with the turn); None: a plain completion
-    sampling: Callable[[int], SamplingParams]  # its sampling, given the prompt's length (the budget depends on it)
+    max_tokens: int | None  # its output budget as asked (None: the default, cut to the context)
+    sampling: Callable[[int], SamplingParams]  # its sampling, given its output budget
     renderer: Callable[[Admitted, ToolReader], Renderer]  # its wire shape, once admitted
     stream: bool
     prompt_ids: list[int] | None = None  # a completion's; chat's are rendered from `messages`, continuing `base`
@@ -108,7 +110,7 @@ async def run_turn(serving: Serving, turn: Turn, http: Request) -> Response:
         assert turn.messages is not None
         ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, turn.messages, turn.base, reading.tools)
     constraint = await structured.constraint(engine, turn.schema, reading.tools, reading.style, turn.schema_param)
-    params = turn.sampling(len(ids))
+    params = turn.sampling(output_budget(engine.loaded, len(ids), turn.max_tokens, serving.settings))
     num_tokens = len(ids) + params.max_tokens
     if turn.place is not None:
         placement = await turn.place(num_tokens)

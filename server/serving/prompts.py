@@ -12,6 +12,7 @@ from server.openai.schemas import ChatCompletionRequest, CompletionRequest, Samp
 from server.openai.schemas import ChatMessage as RequestMessage
 from server.serving.tools import ToolUse, canonical_arguments, content_beside_calls
 from server.sessions.chat import ChatMessage
+from server.settings import Settings
 
 
 def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
@@ -83,17 +84,9 @@ def _non_empty(ids: list[int], param: str) -> list[int]:
     return ids
 
 
-def sampling_params(
-    req: SamplingFields,
-    loaded: LoadedModel,
-    num_prompt: int,
-    max_tokens: int | None,
-    default_max_tokens: int,
-    num_logprobs: int | None,
-    max_tokens_limit: int | None = None,
-) -> SamplingParams:
+def sampling_params(req: SamplingFields, loaded: LoadedModel, budget: int, num_logprobs: int | None) -> SamplingParams:
     return SamplingParams(
-        max_tokens=output_budget(loaded, num_prompt, max_tokens, default_max_tokens, max_tokens_limit),
+        max_tokens=budget,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=max(req.top_k, 0),
@@ -110,19 +103,17 @@ def sampling_params(
     )
 
 
-def output_budget(
-    loaded: LoadedModel, num_prompt: int, max_tokens: int | None, default_max_tokens: int, limit: int | None = None
-) -> int:
+def output_budget(loaded: LoadedModel, num_prompt: int, max_tokens: int | None, settings: Settings) -> int:
     """The request's max_tokens, or the default cut to the context; 400 when the context cannot hold it.
 
     An explicit 0 (Anthropic's prefill-only request: compute and cache the prompt) needs room for the prompt
     alone; a default needs room for one token at least."""
-    max_context = loaded.max_context
-    if max_tokens is not None and limit is not None and max_tokens > limit:
+    max_context, limit = loaded.max_context, settings.max_tokens_limit
+    if max_tokens is not None and max_tokens > limit:
         raise ApiError(400, "invalid_parameter", f"max_tokens is at most {limit} on this server", "max_tokens")
     is_prefill_only = max_tokens == 0
     if max_tokens is None:
-        max_tokens = min(default_max_tokens, max_context - num_prompt, limit or default_max_tokens)
+        max_tokens = min(settings.default_max_tokens, max_context - num_prompt, limit)
     if num_prompt + max_tokens > max_context or (max_tokens < 1 and not is_prefill_only):
         raise ApiError(
             400,

@@ -30,7 +30,7 @@ from server.openai.responses import RESPONSE_ID_PATTERN, ResponseRequest
 from server.serving import structured
 from server.serving.core import Serving, session_key
 from server.serving.pipeline import Placement, Renderer, Turn, run_turn
-from server.serving.prompts import check_text_size, output_budget
+from server.serving.prompts import check_text_size
 from server.serving.render.responses import KIND, ResponseRenderer, not_found, result
 from server.serving.response_items import messages_of, resolve, stored_items
 from server.serving.tool_reader import Reading, ToolReader
@@ -129,10 +129,7 @@ class Responses:
         record = request_fields(req, items)
         key = SessionKey(tenant, response_id, KIND) if req.store else None  # the stored response's record
 
-        def sampling(num_prompt: int) -> SamplingParams:
-            budget = output_budget(
-                engine.loaded, num_prompt, req.max_output_tokens, s.default_max_tokens, s.max_tokens_limit
-            )
+        def sampling(budget: int) -> SamplingParams:
             return SamplingParams(max_tokens=budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
 
         async def place(num_tokens: int) -> Placement:
@@ -161,7 +158,7 @@ class Responses:
             )
 
         turn = Turn(
-            engine, tenant, reading, named, messages, sampling, renderer, req.stream, base=base,
+            engine, tenant, reading, named, messages, req.max_output_tokens, sampling, renderer, req.stream, base=base,
             schema=structured.schema_of(fmt.type, fmt.schema_) if fmt is not None else None,
             schema_param="text.format", use_cache=req.cache_prompt, place=place,
         )  # fmt: skip
