@@ -190,22 +190,6 @@ class Reading:
         return read_reply(text, self.tools, self.style, self.request_id)
 
 
-class LeadingBlank:
-    """Whitespace before a reply's first visible text is held back: if calls follow, it is no content (the
-    answer's rule, `content_beside_calls`); a reply that is only whitespace and makes no call keeps it."""
-
-    def __init__(self) -> None:
-        self._held = ""
-
-    def take(self, text: str, is_open: bool, last: bool, num_calls: int) -> str:
-        """What of the held whitespace and `text` to send now ("" while it is held)."""
-        text, self._held = self._held + text, ""
-        if text and (is_open or text.strip() or (last and not num_calls)):
-            return text
-        self._held = text
-        return ""
-
-
 def _partial_suffix(text: str, marker: str) -> int:
     """How many trailing characters of `text` could be the start of `marker` (held back, not sent)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
