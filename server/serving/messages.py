@@ -31,8 +31,8 @@ from server.serving.pipeline import Placement, Renderer, Turn, run_turn
 from server.serving.prompts import check_text_size
 from server.serving.render.messages import MessageRenderer
 from server.serving.tool_reader import Reading, ToolReader
-from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, canonical_arguments
-from server.sessions.chat import ChatMessage, FunctionCall, ToolCall
+from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, tool_call
+from server.sessions.chat import ChatMessage
 from server.sessions.errors import SessionBusy, SessionError
 from server.sessions.record import Session, SessionKey
 
@@ -115,7 +115,7 @@ def chat_of(req: Conversation) -> tuple[list[ChatMessage], list[int]]:
             messages.append({"role": message.role, "content": blocks})
         elif message.role == "assistant":
             text = "".join(b.text for b in blocks if b.type == "text")
-            calls = [_call(b) for b in blocks if isinstance(b, ToolUseBlock)]
+            calls = [tool_call(b.id, b.name, b.input) for b in blocks if isinstance(b, ToolUseBlock)]
             messages.append(assistant_message(text, calls))
         else:
             results = [b for b in blocks if isinstance(b, ToolResultBlock)]
@@ -125,11 +125,6 @@ def chat_of(req: Conversation) -> tuple[list[ChatMessage], list[int]]:
                 messages.append({"role": "user", "content": text})
         ends.append(len(messages))
     return messages, ends
-
-
-def _call(block: ToolUseBlock) -> ToolCall:
-    function: FunctionCall = {"name": block.name, "arguments": canonical_arguments(block.input)}
-    return {"id": block.id, "type": "function", "function": function}
 
 
 def tool_use_of(req: Conversation) -> ToolUse | None:

@@ -10,7 +10,7 @@ from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
 from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.openai.schemas import ChatMessage as RequestMessage
-from server.serving.tools import ToolUse, canonical_arguments, content_beside_calls
+from server.serving.tools import ToolUse, content_beside_calls, tool_call
 from server.sessions.chat import ChatMessage
 from server.settings import Settings
 
@@ -67,14 +67,7 @@ def _message(message: RequestMessage) -> ChatMessage:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         out["content"] = content_beside_calls(out["content"])
-        out["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.function.name, "arguments": canonical_arguments(c.function.arguments)},
-            }
-            for c in message.tool_calls
-        ]
+        out["tool_calls"] = [tool_call(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
     return out
 
 

@@ -15,8 +15,8 @@ from typing import Any
 from server.openai.errors import ApiError
 from server.openai.response_objects import output_items
 from server.openai.responses import ItemReference, ResponseRequest
-from server.serving.tools import canonical_arguments
-from server.sessions.chat import ChatMessage, FunctionCall, Role, ToolCall
+from server.serving.tools import tool_call
+from server.sessions.chat import ChatMessage, Role
 
 ITEM_ID = re.compile(r"^(msg|fc|in)_([0-9a-f]{32})(?:_([0-9]+))?$")
 Lookup = Callable[[str], dict[str, Any] | None]  # a response id -> its stored record (extras), if any
@@ -74,8 +74,7 @@ def messages_of(items: list[dict[str, Any]]) -> list[ChatMessage]:
             role: Role = "system" if item["role"] == "developer" else item["role"]
             messages.append({"role": role, "content": _text(item["content"])})
         elif kind == "function_call":
-            function: FunctionCall = {"name": item["name"], "arguments": canonical_arguments(item["arguments"])}
-            call: ToolCall = {"id": item["call_id"], "type": "function", "function": function}
+            call = tool_call(item["call_id"], item["name"], item["arguments"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
