@@ -202,7 +202,8 @@ async def run_turn(serving: Serving, turn: Turn, http: Request) -> Response:
     headers = answer_headers(admitted, turn.named)
     events = serving.metrics.meter(handle, engine.model_id, started)
     if turn.stream:
-        return event_stream(stream(renderer, handle, events), headers)
+        sse = stream(renderer, handle, events)
+        return EventSourceResponse(sse, headers=headers, sep="\n", ping=PING_S, send_timeout=SEND_TIMEOUT_S)
     return await collect(renderer, handle, events, http, headers)
 
 
@@ -253,7 +254,3 @@ async def stream(
     finally:
         handle.cancel()
         renderer.close()
-
-
-def event_stream(events: AsyncIterator[ServerSentEvent], headers: dict[str, str]) -> EventSourceResponse:
-    return EventSourceResponse(events, headers=headers, sep="\n", ping=PING_S, send_timeout=SEND_TIMEOUT_S)

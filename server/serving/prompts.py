@@ -18,10 +18,7 @@ from server.settings import Settings
 def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
     """A prompt whose text alone must exceed the context is refused by its size, before any tokenizing:
     no token covers more than `max_token_bytes` bytes, so bytes / max_token_bytes tokens at least."""
-    _check_bytes(loaded, sum(len(text.encode()) for text in texts), param)
-
-
-def _check_bytes(loaded: LoadedModel, num_bytes: int, param: str) -> None:
+    num_bytes = sum(len(text.encode()) for text in texts)
     at_least = num_bytes // loaded.max_token_bytes
     if at_least > loaded.max_context:
         message = (
@@ -37,20 +34,21 @@ def check_chat_size(loaded: LoadedModel, messages: list[ChatMessage], tools: Too
     the prompt holds."""
     texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
     texts += [call["function"]["arguments"] for m in messages for call in m.get("tool_calls") or []]
-    num_bytes = sum(len(text.encode()) for text in texts)
-    _check_bytes(loaded, num_bytes, "messages")
+    check_text_size(loaded, texts, "messages")
     if tools is not None and tools.specs:
         definitions = json.dumps(tools.definitions(), ensure_ascii=False, separators=(",", ":"))
-        _check_bytes(loaded, num_bytes + len(definitions.encode()), "tools")
+        check_text_size(loaded, [*texts, definitions], "tools")
 
 
 def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
     prompt = req.single_prompt()
     if isinstance(prompt, str):
-        ids = loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids: list[int] = loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
         ids = checked_ids(list(prompt), loaded.vocab_size, "prompt")
-    return _non_empty(ids, "prompt")
+    if not ids:
+        raise ApiError(400, "invalid_parameter", "the prompt has no tokens", "prompt")
+    return ids
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
@@ -69,12 +67,6 @@ def _message(message: RequestMessage) -> ChatMessage:
         out["content"] = content_beside_calls(out["content"])
         out["tool_calls"] = [tool_call(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
     return out
-
-
-def _non_empty(ids: list[int], param: str) -> list[int]:
-    if not ids:
-        raise ApiError(400, "invalid_parameter", "the prompt has no tokens", param)
-    return ids
 
 
 def sampling_params(req: SamplingFields, loaded: LoadedModel, budget: int, num_logprobs: int | None) -> SamplingParams:
