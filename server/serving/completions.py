@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
-from collections.abc import Callable
 
 from fastapi import Request
 from starlette.responses import Response
 
-from server.engine.engine import Engine
-from server.engine.request import Admitted
-from server.openai import chunks
-from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.openai.schemas import ChatCompletionRequest, CompletionRequest
 from server.serving import structured
 from server.serving.core import Serving, session_key
-from server.serving.pipeline import Renderer, Turn, run_turn
+from server.serving.pipeline import Turn, run_turn
 from server.serving.prompts import chat_messages, check_text_size, completion_ids, sampling_params
 from server.serving.render.completions import CompletionRenderer
-from server.serving.tool_reader import Reading, ToolReader
+from server.serving.tool_reader import Reading
 from server.serving.tools import tool_use
 from server.sessions.chat import ChatMessage
 from server.sessions.record import Session
@@ -43,7 +38,7 @@ class Completions:
         turn = Turn(
             engine, tenant, reading, key, None, req.max_tokens,
             sampling=lambda budget: sampling_params(req, loaded, budget, req.logprobs),
-            renderer=renderer(req, engine, is_chat=False),
+            renderer=lambda _admitted, reader: CompletionRenderer(req, engine, False, reader),
             stream=req.stream, prompt_ids=ids, schema=structured.format_schema(req.response_format),
             use_cache=req.cache_prompt,
         )  # fmt: skip
@@ -62,21 +57,11 @@ class Completions:
         turn = Turn(
             engine, tenant, reading, key, messages, req.output_limit(),
             sampling=lambda budget: sampling_params(req, loaded, budget, num_logprobs),
-            renderer=renderer(req, engine, is_chat=True),
+            renderer=lambda _admitted, reader: CompletionRenderer(req, engine, True, reader),
             stream=req.stream, base=view, schema=structured.format_schema(req.response_format),
             use_cache=req.cache_prompt,
         )  # fmt: skip
         return await run_turn(self.serving, turn, http)
-
-
-def renderer(req: SamplingFields, engine: Engine, is_chat: bool) -> Callable[[Admitted, ToolReader], Renderer]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    def make(admitted: Admitted, reader: ToolReader) -> Renderer:
-        meta = chunks.Meta(reader.request_id, int(time.time()), engine.model_id, is_chat)
-        return CompletionRenderer(meta, engine.loaded.tokenizer, reader, include_usage)
-
-    return make
 
 
 def with_session_system(messages: list[ChatMessage], view: Session | None) -> list[ChatMessage]:
