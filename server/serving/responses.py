@@ -80,7 +80,6 @@ class Responses:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
         self.store = serving.store
-        self.settings = serving.settings
         self.store.on_turn(KIND, record_turn)
         drop_unfinished(self.store)
 
@@ -112,7 +111,7 @@ class Responses:
         return own + history + messages_of(items)
 
     async def create(self, req: ResponseRequest, http: Request, tenant: str) -> Response:
-        serving, s = self.serving, self.settings
+        serving = self.serving
         engine = serving.engine(req.model)
         named = session_key(req, http, tenant)
         session = named if named is not None and not named.is_bucket else None  # the turn runs there
@@ -141,7 +140,7 @@ class Responses:
             if key is None:
                 return Placement(serving.session_for(named, num_tokens, engine), kv_source)
             # The record is the engine's session: it records the turn; a request the engine refuses leaves none
-            ttl = s.response_retention_s
+            ttl = serving.settings.response_retention_s
             await serving.off_loop(
                 self.store.create, key, engine.model_id, ttl, parent=req.previous_response_id, extras=dict(record)
             )
@@ -152,10 +151,8 @@ class Responses:
             return Placement(key, kv_source, undo)
 
         def renderer(admitted: Admitted, reader: ToolReader) -> Renderer:
-            parent_id, retention = req.previous_response_id, s.response_retention_s
-            return ResponseRenderer(
-                response_id, engine.model_id, record, parent_id, serving, reader, key, session, retention
-            )
+            parent_id = req.previous_response_id
+            return ResponseRenderer(response_id, engine.model_id, record, parent_id, serving, reader, key, session)
 
         turn = Turn(
             engine, tenant, reading, named, messages, req.max_output_tokens, sampling, renderer, req.stream, base=base,

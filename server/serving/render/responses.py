@@ -49,7 +49,6 @@ class ResponseRenderer(PartsRenderer):
         reader: ToolReader,
         stored: SessionKey | None,
         session: SessionKey | None,
-        retention_s: float,
     ) -> None:
         """`stored`: the response's record (None: store=false). Without a `session`, the engine records the turn
         in it; with one, the turn runs on that session and the record is written from its state afterwards."""
@@ -57,7 +56,7 @@ class ResponseRenderer(PartsRenderer):
         self.response_id, self.model, self.record, self.parent = response_id, model, record, parent
         self.store, self.off_loop = serving.store, serving.off_loop  # the store may wait on Redis: off the loop
         self.stored, self.session = stored, session
-        self.retention_s = retention_s
+        self.retention_s = serving.settings.response_retention_s
         self.sequence_number = 0
         self.sent = ""  # the message's text so far
         self.is_finished = False
