@@ -44,7 +44,7 @@ class Placement:
 
     session: SessionKey | None
     kv_source: SessionKey | None
-    undo: Callable[[], Awaitable[None]] | None = None
+    undo: Callable[[], Awaitable[object]] | None = None
 
 
 class Renderer(ABC):

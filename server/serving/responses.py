@@ -144,11 +144,7 @@ class Responses:
             await serving.off_loop(
                 self.store.create, key, engine.model_id, ttl, parent=req.previous_response_id, extras=dict(record)
             )
-
-            async def undo() -> None:
-                await serving.off_loop(self.store.delete, key)
-
-            return Placement(key, kv_source, undo)
+            return Placement(key, kv_source, lambda: serving.off_loop(self.store.delete, key))
 
         def renderer(admitted: Admitted, reader: ToolReader) -> Renderer:
             parent_id = req.previous_response_id
