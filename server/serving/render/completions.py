@@ -63,8 +63,6 @@ class CompletionRenderer(Renderer):
         return [ServerSentEvent(data="[DONE]", sep="\n")]
 
     def _calls(self, calls: list[ToolCall]) -> list[ServerSentEvent]:
-        if not calls:
-            return []
         first = len(self.reader.calls) - len(calls)
         return [_data(chunk) for chunk in chunks.tool_call_chunks(self.meta, calls, first)]
 
