@@ -81,8 +81,7 @@ class Messages:
             return Placement(session, named, (lambda: self._discard(made)) if made is not None else None)
 
         def renderer(admitted: Admitted, reader: ToolReader) -> Renderer:
-            num_marked = min(boundary, admitted.num_prompt)
-            return MessageRenderer(reading.request_id, engine.model_id, reader, num_marked, admitted, ttl)
+            return MessageRenderer(reading.request_id, engine.model_id, reader, boundary, admitted, ttl)
 
         turn = Turn(
             engine, tenant, reading, key, messages, req.max_tokens, sampling, renderer, req.stream, base=view,

@@ -29,12 +29,12 @@ class MessageRenderer(PartsRenderer):
     def __init__(
         self, message_id: str, model: str, reader: ToolReader, num_marked: int, admitted: Admitted, ttl_s: float | None
     ) -> None:
-        """`num_marked`: prompt tokens up to the last cache_control breakpoint (computed ones were cached now),
-        kept for `ttl_s` (its ttl)."""
+        """`num_marked`: prompt tokens up to the last cache_control breakpoint (computed ones were cached now; no
+        more than the prompt's), kept for `ttl_s` (its ttl)."""
         super().__init__(reader)
         self.message_id, self.model = message_id, model
         self.num_prompt, self.num_cached = admitted.num_prompt, admitted.num_cached
-        self.num_created = max(0, num_marked - admitted.num_cached)
+        self.num_created = max(0, min(num_marked, admitted.num_prompt) - admitted.num_cached)
         self.is_hour = ttl_s is not None and ttl_s >= 3600
 
     def _usage(self, num_output: int) -> dict[str, Any]:
