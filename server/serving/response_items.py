@@ -17,9 +17,10 @@ from server.openai.response_objects import output_items
 from server.openai.responses import ItemReference, ResponseRequest
 from server.serving.tools import tool_call
 from server.sessions.chat import ChatMessage, Role
+from server.sessions.record import Session
 
 ITEM_ID = re.compile(r"^(msg|fc|in)_([0-9a-f]{32})(?:_([0-9]+))?$")
-Lookup = Callable[[str], dict[str, Any] | None]  # a response id -> its stored record (extras), if any
+Lookup = Callable[[str], Session | None]  # a response id -> its stored record, if any
 
 
 def stored_items(response_id: str, req: ResponseRequest) -> list[dict[str, Any]]:
@@ -50,9 +51,10 @@ def resolve(items: list[dict[str, Any]], lookup: Lookup) -> list[dict[str, Any]]
 
 def _find(item_id: str, lookup: Lookup) -> dict[str, Any]:
     match = ITEM_ID.match(item_id)
-    record = lookup("resp_" + match.group(2)) if match else None
+    stored = lookup("resp_" + match.group(2)) if match else None
     found = None
-    if match is not None and record is not None:
+    if match is not None and stored is not None:
+        record = stored.extras
         if match.group(1) == "in":
             found = next((i for i in record.get("input_items", []) if i.get("id") == item_id), None)
         else:

@@ -86,8 +86,7 @@ class Responses:
     async def _parent(self, req: ResponseRequest, tenant: str, model_id: str) -> Session | None:
         if req.previous_response_id is None:
             return None
-        key = _stored_key(tenant, req.previous_response_id)
-        parent = await self.serving.off_loop(self.store.view, key) if key is not None else None
+        parent = await self.serving.off_loop(self._stored, tenant, req.previous_response_id)
         if parent is None or parent.extras.get("status") not in ("completed", "incomplete"):
             raise not_found(req.previous_response_id, "previous_response_id")
         if parent.model_id != model_id:
@@ -95,10 +94,9 @@ class Responses:
             raise ApiError(400, "session_model_mismatch", message, "model")
         return parent
 
-    def _stored(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+    def _stored(self, tenant: str, response_id: str) -> Session | None:
         key = _stored_key(tenant, response_id)
-        view = self.store.view(key) if key is not None else None
-        return view.extras if view is not None else None
+        return self.store.view(key) if key is not None else None
 
     def _messages(self, req: ResponseRequest, parent: Session | None, items: list[dict[str, Any]]) -> list[ChatMessage]:
         """Instructions apply to this response only; the conversation is the parent's plus the new input."""
@@ -158,18 +156,17 @@ class Responses:
         return await run_turn(serving, turn, http)
 
     def get(self, response_id: str, tenant: str) -> dict[str, Any]:
-        key = _stored_key(tenant, response_id)
-        view = self.store.view(key) if key is not None else None
+        view = self._stored(tenant, response_id)
         if view is None:
             raise not_found(response_id)
         return response_object(response_id, view.model_id, view.extras, view.parent)
 
     def input_items(self, response_id: str, tenant: str, limit: int, order: str, after: str | None) -> dict[str, Any]:
         """The items a stored response was given (references as they were sent), OpenAI's list shape."""
-        record = self._stored(tenant, response_id)
-        if record is None:
+        view = self._stored(tenant, response_id)
+        if view is None:
             raise not_found(response_id)
-        items = list(record.get("input_items", []))
+        items = list(view.extras.get("input_items", []))
         if order == "desc":
             items.reverse()
         if after is not None:
