@@ -12,7 +12,6 @@ from sse_starlette import ServerSentEvent
 from server.engine.engine import Engine
 from server.engine.request import Failed, Finished, TextDelta, TokenLogprob
 from server.openai import chunks
-from server.openai.errors import failure_body
 from server.openai.schemas import SamplingFields
 from server.serving.pipeline import Renderer
 from server.serving.tool_reader import ToolReader
@@ -57,7 +56,7 @@ class CompletionRenderer(Renderer):
         return out
 
     def failed(self, event: Failed) -> list[ServerSentEvent]:
-        return [_data(failure_body(event.code, event.message)[0])]
+        return [_data(self.error(event)[0])]
 
     def closing(self) -> list[ServerSentEvent]:
         return [ServerSentEvent(data="[DONE]", sep="\n")]
