@@ -103,10 +103,9 @@ class Responses:
         history: list[ChatMessage] = []
         if parent is not None:
             history = parent.messages[1:] if parent.extras.get("instructions") is not None else parent.messages
-        own: list[ChatMessage] = (
-            [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-        )
-        return own + history + messages_of(items)
+        if req.instructions is not None:
+            history = [{"role": "system", "content": req.instructions}, *history]
+        return history + messages_of(items)
 
     async def create(self, req: ResponseRequest, http: Request, tenant: str) -> Response:
         serving = self.serving
