@@ -37,7 +37,6 @@ from server.serving.tool_reader import Reading, ToolReader
 from server.serving.tools import responses_tool_use
 from server.sessions.chat import ChatMessage
 from server.sessions.record import CompletedTurn, Session, SessionKey
-from server.sessions.store import SessionStore
 
 
 def request_fields(req: ResponseRequest, items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -68,20 +67,15 @@ def record_turn(extras: dict[str, Any], turn: CompletedTurn) -> None:
     extras.update(result(turn.finish_reason, reply["content"], turn.usage, reply.get("tool_calls", [])))
 
 
-def drop_unfinished(store: SessionStore) -> None:
-    """At start: responses a previous run never finished have nothing to continue from."""
-    for key in store.session_keys(KIND):
-        view = store.view(key)
-        if view is not None and view.extras.get("status") == "in_progress":
-            store.delete(key)
-
-
 class Responses:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
         self.store = serving.store
         self.store.on_turn(KIND, record_turn)
-        drop_unfinished(self.store)
+        for key in self.store.session_keys(KIND):  # responses a previous run never finished: nothing to continue from
+            view = self.store.view(key)
+            if view is not None and view.extras.get("status") == "in_progress":
+                self.store.delete(key)
 
     async def _parent(self, req: ResponseRequest, tenant: str, model_id: str) -> Session | None:
         if req.previous_response_id is None:
