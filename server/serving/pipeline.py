@@ -222,8 +222,7 @@ async def collect(
             elif isinstance(event, Finished):
                 return JSONResponse(await renderer.body(event, "".join(parts), logprobs), headers=headers)
             elif isinstance(event, Failed):
-                body, status = renderer.error(event)
-                return JSONResponse(body, status, headers=headers)
+                return JSONResponse(*renderer.error(event), headers=headers)
     finally:
         watcher.cancel()
         handle.cancel()
