@@ -24,8 +24,8 @@ class CompletionRenderer(Renderer):
     def __init__(self, req: SamplingFields, engine: Engine, is_chat: bool, reader: ToolReader) -> None:
         self.meta = chunks.Meta(reader.request_id, int(time.time()), engine.model_id, is_chat)
         self.reader, self.include_usage = reader, bool(req.stream_options and req.stream_options.include_usage)
-        tokenizer = engine.loaded.tokenizer
-        self.token_text = lru_cache(maxsize=4096)(lambda token_id: str(tokenizer.decode([token_id])))  # logprobs'
+        tokenizer = engine.loaded.tokenizer  # token_text: a token's text (for logprobs), cached for the request
+        self.token_text = lru_cache(maxsize=4096)(lambda token_id: str(tokenizer.decode([token_id])))
         self.offset = 0  # the text sent so far, in characters (the logprobs' text offsets)
 
     async def body(self, finished: Finished, text: str, logprobs: list[TokenLogprob]) -> dict[str, Any]:
