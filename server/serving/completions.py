@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
-from collections.abc import Callable
 
 from fastapi import Request
 from starlette.responses import Response
 
-from server.engine.engine import Engine
-from server.engine.request import Admitted
-from server.openai import chunks
-from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.openai.schemas import ChatCompletionRequest, CompletionRequest
 from server.serving import structured
 from server.serving.core import Serving, session_key
-from server.serving.pipeline import Renderer, Turn, run_turn
+from server.serving.pipeline import Turn, run_turn
 from server.serving.prompts import chat_messages, check_text_size, completion_ids, sampling_params
 from server.serving.render.completions import CompletionRenderer
-from server.serving.tool_reader import Reading, ToolReader
+from server.serving.tool_reader import Reading
 from server.serving.tools import tool_use
 from server.sessions.chat import ChatMessage
 from server.sessions.record import Session
@@ -32,7 +27,7 @@ class Completions:
     async def completion(self, req: CompletionRequest, http: Request, tenant: str) -> Response:
         """OpenAI's semantics on a session too: the prompt is the whole text; the cached prefix it shares with
         the session's transcript is reused, and the transcript becomes this prompt and its completion."""
-        s, engine = self.serving.settings, self.serving.engine(req.model)
+        engine = self.serving.engine(req.model)
         loaded = engine.loaded
         key = session_key(req, http, tenant)
         prompt = req.single_prompt()
@@ -41,18 +36,16 @@ class Completions:
         ids = await asyncio.to_thread(completion_ids, req, loaded)  # tokenizing: off the event loop
         reading = Reading(None, "", "cmpl-" + uuid.uuid4().hex)
         turn = Turn(
-            engine, tenant, reading, key, None,
-            sampling=lambda n: sampling_params(
-                req, loaded, n, req.max_tokens, s.default_max_tokens, req.logprobs, s.max_tokens_limit
-            ),
-            renderer=renderer(req, engine, is_chat=False),
+            engine, tenant, reading, key, None, req.max_tokens,
+            sampling=lambda budget: sampling_params(req, loaded, budget, req.logprobs),
+            renderer=lambda _admitted, reader: CompletionRenderer(req, engine, False, reader),
             stream=req.stream, prompt_ids=ids, schema=structured.format_schema(req.response_format),
             use_cache=req.cache_prompt,
         )  # fmt: skip
         return await run_turn(self.serving, turn, http)
 
     async def chat(self, req: ChatCompletionRequest, http: Request, tenant: str) -> Response:
-        s, engine = self.serving.settings, self.serving.engine(req.model)
+        engine = self.serving.engine(req.model)
         loaded = engine.loaded
         key = session_key(req, http, tenant)
         view = await self.serving.session_view(key, engine)
@@ -62,25 +55,13 @@ class Completions:
         reading = Reading.of(loaded.tokenizer, tools, "chatcmpl-" + uuid.uuid4().hex)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         turn = Turn(
-            engine, tenant, reading, key, messages,
-            sampling=lambda n: sampling_params(
-                req, loaded, n, req.output_limit(), s.default_max_tokens, num_logprobs, s.max_tokens_limit
-            ),
-            renderer=renderer(req, engine, is_chat=True),
+            engine, tenant, reading, key, messages, req.output_limit(),
+            sampling=lambda budget: sampling_params(req, loaded, budget, num_logprobs),
+            renderer=lambda _admitted, reader: CompletionRenderer(req, engine, True, reader),
             stream=req.stream, base=view, schema=structured.format_schema(req.response_format),
             use_cache=req.cache_prompt,
         )  # fmt: skip
         return await run_turn(self.serving, turn, http)
-
-
-def renderer(req: SamplingFields, engine: Engine, is_chat: bool) -> Callable[[Admitted, ToolReader], Renderer]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    def make(admitted: Admitted, reader: ToolReader) -> Renderer:
-        meta = chunks.Meta(reader.request_id, int(time.time()), engine.model_id, is_chat)
-        return CompletionRenderer(meta, engine.loaded.tokenizer, reader, include_usage)
-
-    return make
 
 
 def with_session_system(messages: list[ChatMessage], view: Session | None) -> list[ChatMessage]:

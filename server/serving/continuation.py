@@ -83,8 +83,7 @@ def continued_ids(
     if full.count(last) != 1:
         return None  # the template rewrote the placeholder itself: no safe place to cut
     new_text = full[full.index(last) + len(last) :]  # the last seen message's closing, then the new messages
-    is_reply = seen[-1]["role"] == "assistant"
-    held = _held_closing(loaded, placeholders, last, transcript, is_reply, tools)
+    held = _held_closing(loaded, placeholders, transcript, tools)
     if not new_text.startswith(held):
         return None
     return transcript + tokenize(loaded, new_text[len(held) :])
@@ -99,12 +98,7 @@ def _placeholder(message: ChatMessage, index: int) -> ChatMessage:
 
 
 def _held_closing(
-    loaded: LoadedModel,
-    placeholders: list[ChatMessage],
-    last: str,
-    transcript: list[int],
-    is_reply: bool,
-    tools: ToolUse | None,
+    loaded: LoadedModel, placeholders: list[ChatMessage], transcript: list[int], tools: ToolUse | None
 ) -> str:
     """The part of the last seen message's closing the transcript already holds.
 
@@ -112,7 +106,8 @@ def _held_closing(
     holds its end-of-turn token when it stopped on one, not the newline the template adds
     after it; a reply cut by max_tokens or a stop string holds none of the closing.
     """
-    if not is_reply:
+    last = placeholders[-1]["content"]
+    if placeholders[-1]["role"] != "assistant":  # not a generated reply
         alone = render(loaded, placeholders, add_generation_prompt=False, tools=tools)
         return alone[alone.index(last) + len(last) :] if last in alone else "\0"  # "\0": no match, fall back
     if transcript[-1] in loaded.eos_ids:

@@ -73,7 +73,6 @@ class Serving:
         """The request the engine runs; `reading`: its id, and how its reply is read (a chat reply, with
         `messages`, is recorded as the message read out of it); `kv_source`: whose lower-tier snapshot may hold
         the prompt's K/V."""
-        tools = reading.tools
         return GenerationRequest(
             request_id=reading.request_id,
             prompt_ids=prompt_ids,
@@ -86,7 +85,7 @@ class Serving:
             timeout_s=self.settings.request_timeout_s,
             max_unread_events=self.settings.max_unread_events,
             constraint=constraint,
-            tools=tools.definitions() if tools is not None else None,
+            tools=reading.tools.definitions() if reading.tools is not None else None,
             reply=reading.reply if messages is not None else None,
             shown_special_ids=reading.markers,
         )
@@ -163,22 +162,18 @@ class Serving:
 
 
 def answer_headers(admitted: Admitted, session: SessionKey | None) -> dict[str, str]:
-    """The cache headers, and the session the answer used (a bucket is not one)."""
-    headers = cache_headers(admitted)
-    if session is not None and not session.is_bucket:
-        headers[SESSION_HEADER] = session.name
-    return headers
-
-
-def cache_headers(admitted: Admitted) -> dict[str, str]:
-    """X-Cache: hit when every prompt token but the last was cached, miss when none was, partial otherwise."""
+    """X-Cache: hit when every prompt token but the last was cached, miss when none was, partial otherwise; and
+    the session the answer used (a bucket is not one)."""
     if admitted.num_cached == 0:
         verdict = "miss"
     elif admitted.num_cached >= admitted.num_prompt - 1:
         verdict = "hit"
     else:
         verdict = "partial"
-    return {"X-Cache": verdict, "X-Cache-Source": admitted.source}
+    headers = {"X-Cache": verdict, "X-Cache-Source": admitted.source}
+    if session is not None and not session.is_bucket:
+        headers[SESSION_HEADER] = session.name
+    return headers
 
 
 class NamesSession(Protocol):

@@ -39,7 +39,8 @@ def finite_document_problem(schema: Any) -> str | None:
         queue.extend(waiting.get(pointer, ()))
     if "#" in finite:
         return None
-    cycle = next((ref for ref in _refs(nodes) if ref not in finite), None)
+    refs = [n["$ref"] for n in nodes.values() if isinstance(n, dict) and isinstance(n.get("$ref"), str)]
+    cycle = next((ref for ref in refs if ref not in finite), None)
     where = f": every document of '{cycle}' must hold another one ($ref cycles with no way out)" if cycle else ""
     return f"it allows no finite document{where}"
 
@@ -125,7 +126,3 @@ def _array_needs(node: dict[str, Any], pointer: str) -> list[list[str]]:
         if isinstance(items, dict):
             groups.append([f"{pointer}/items"])
     return groups
-
-
-def _refs(nodes: dict[str, Any]) -> list[str]:
-    return [n["$ref"] for n in nodes.values() if isinstance(n, dict) and isinstance(n.get("$ref"), str)]

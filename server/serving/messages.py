@@ -28,11 +28,11 @@ from server.openai.errors import ApiError
 from server.serving import continuation
 from server.serving.core import Serving, session_key
 from server.serving.pipeline import Placement, Renderer, Turn, run_turn
-from server.serving.prompts import check_text_size, output_budget
+from server.serving.prompts import check_text_size
 from server.serving.render.messages import MessageRenderer
 from server.serving.tool_reader import Reading, ToolReader
-from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, canonical_arguments
-from server.sessions.chat import ChatMessage, FunctionCall, ToolCall
+from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, tool_call
+from server.sessions.chat import ChatMessage
 from server.sessions.errors import SessionBusy, SessionError
 from server.sessions.record import Session, SessionKey
 
@@ -50,7 +50,7 @@ class Messages:
         return {"input_tokens": len(ids)}
 
     async def create(self, req: MessagesRequest, http: Request, tenant: str) -> Response:
-        serving, s = self.serving, self.serving.settings
+        serving = self.serving
         engine = serving.engine(req.model)
         loaded = engine.loaded
         key = session_key(req, http, tenant)
@@ -64,8 +64,7 @@ class Messages:
         boundary = await asyncio.to_thread(prefix_len, loaded, prefix, tools) if prefix is not None else 0
         fmt = req.output_config.format if req.output_config is not None else None
 
-        def sampling(num_prompt: int) -> SamplingParams:
-            budget = output_budget(loaded, num_prompt, req.max_tokens, s.default_max_tokens, s.max_tokens_limit)
+        def sampling(budget: int) -> SamplingParams:
             return SamplingParams(
                 max_tokens=budget, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or 0,
                 stop=list(req.stop_sequences or []),
@@ -82,11 +81,10 @@ class Messages:
             return Placement(session, named, (lambda: self._discard(made)) if made is not None else None)
 
         def renderer(admitted: Admitted, reader: ToolReader) -> Renderer:
-            num_marked = min(boundary, admitted.num_prompt)
-            return MessageRenderer(reading.request_id, engine.model_id, reader, num_marked, admitted, ttl)
+            return MessageRenderer(reading.request_id, engine.model_id, reader, boundary, admitted, ttl)
 
         turn = Turn(
-            engine, tenant, reading, key, messages, sampling, renderer, req.stream, base=view,
+            engine, tenant, reading, key, messages, req.max_tokens, sampling, renderer, req.stream, base=view,
             schema=fmt.schema_ if fmt is not None else None, schema_param="output_config.format", place=place,
         )  # fmt: skip
         return await run_turn(serving, turn, http)
@@ -116,7 +114,7 @@ def chat_of(req: Conversation) -> tuple[list[ChatMessage], list[int]]:
             messages.append({"role": message.role, "content": blocks})
         elif message.role == "assistant":
             text = "".join(b.text for b in blocks if b.type == "text")
-            calls = [_call(b) for b in blocks if isinstance(b, ToolUseBlock)]
+            calls = [tool_call(b.id, b.name, b.input) for b in blocks if isinstance(b, ToolUseBlock)]
             messages.append(assistant_message(text, calls))
         else:
             results = [b for b in blocks if isinstance(b, ToolResultBlock)]
@@ -126,11 +124,6 @@ def chat_of(req: Conversation) -> tuple[list[ChatMessage], list[int]]:
                 messages.append({"role": "user", "content": text})
         ends.append(len(messages))
     return messages, ends
-
-
-def _call(block: ToolUseBlock) -> ToolCall:
-    function: FunctionCall = {"name": block.name, "arguments": canonical_arguments(block.input)}
-    return {"id": block.id, "type": "function", "function": function}
 
 
 def tool_use_of(req: Conversation) -> ToolUse | None:

@@ -28,8 +28,9 @@ from server.engine.request import Admitted, Event, Failed, Finished, SamplingPar
 from server.openai.errors import ApiError, failure_body
 from server.serving import continuation, structured
 from server.serving.core import Serving, answer_headers, cancel_on_disconnect
+from server.serving.prompts import output_budget
 from server.serving.tool_reader import Reading, ToolReader
-from server.sessions.chat import ChatMessage
+from server.sessions.chat import ChatMessage, ToolCall
 from server.sessions.record import Session, SessionKey
 
 SEND_TIMEOUT_S = 60  # a client that accepts no bytes for this long is disconnected
@@ -43,7 +44,7 @@ class Placement:
 
     session: SessionKey | None
     kv_source: SessionKey | None
-    undo: Callable[[], Awaitable[None]] | None = None
+    undo: Callable[[], Awaitable[object]] | None = None
 
 
 class Renderer(ABC):
@@ -80,6 +81,69 @@ class Renderer(ABC):
         pass
 
 
+class PartsRenderer(Renderer):
+    """A reply streamed as its parts, in order (Messages' content blocks, Responses' output items): the text,
+    opened on its first visible text and closed before the first call, then each call. Whitespace before any
+    visible text is held back: if calls follow, it is no content (the answer's rule, `content_beside_calls`); a
+    reply that is only whitespace and makes no call keeps it."""
+
+    def __init__(self, reader: ToolReader) -> None:
+        self.reader = reader
+        self.has_text = self.is_text_closed = False
+        self.num_calls = 0
+        self._blank = ""  # whitespace held back
+
+    def delta(self, event: TextDelta) -> list[ServerSentEvent]:
+        if not event.text:
+            return []
+        text, calls = self.reader.feed(event.text)
+        return self.text(text) + self.calls(calls)
+
+    def rest(self) -> list[ServerSentEvent]:
+        """At the reply's end: what the reader still held, then the text's end."""
+        text, calls = self.reader.finish()
+        return self.text(text, last=True) + self.calls(calls, self.reader.is_cut) + self.close_text()
+
+    def text(self, text: str, last: bool = False) -> list[ServerSentEvent]:
+        text, self._blank = self._blank + text, ""
+        if not text or not (self.has_text or text.strip() or (last and not self.num_calls)):
+            self._blank = text
+            return []
+        return (self.open_text() if not self.has_text else []) + self._text(text)
+
+    def open_text(self) -> list[ServerSentEvent]:
+        self.has_text = True
+        return self._text_opened()
+
+    def close_text(self) -> list[ServerSentEvent]:
+        if not self.has_text or self.is_text_closed:
+            return []
+        self.is_text_closed = True
+        return self._text_closed()
+
+    def calls(self, calls: list[ToolCall], is_cut: bool = False) -> list[ServerSentEvent]:
+        """Each call's events, the text closed first; with `is_cut`, the last one's arguments are unfinished."""
+        out = self.close_text() if calls else []
+        for number, call in enumerate(calls, 1):
+            position = self.num_calls + (1 if self.has_text else 0)  # among the parts: after the text, if any
+            out += self._call(call, self.num_calls, position, is_cut and number == len(calls))
+            self.num_calls += 1
+        return out
+
+    @abstractmethod
+    def _text_opened(self) -> list[ServerSentEvent]: ...
+
+    @abstractmethod
+    def _text(self, text: str) -> list[ServerSentEvent]: ...
+
+    @abstractmethod
+    def _text_closed(self) -> list[ServerSentEvent]: ...
+
+    @abstractmethod
+    def _call(self, call: ToolCall, index: int, position: int, is_cut: bool) -> list[ServerSentEvent]:
+        """A call's events: `index` among the calls, `position` among the parts."""
+
+
 @dataclass(slots=True)
 class Turn:
     """One turn, as every API asks for it."""
@@ -89,7 +153,8 @@ class Turn:
     reading: Reading  # its id, its tools and how its reply is read
     named: SessionKey | None  # the session or cache bucket the request names
     messages: list[ChatMessage] | None  # chat's normal form (recorded with the turn); None: a plain completion
-    sampling: Callable[[int], SamplingParams]  # its sampling, given the prompt's length (the budget depends on it)
+    max_tokens: int | None  # its output budget as asked (None: the default, cut to the context)
+    sampling: Callable[[int], SamplingParams]  # its sampling, given its output budget
     renderer: Callable[[Admitted, ToolReader], Renderer]  # its wire shape, once admitted
     stream: bool
     prompt_ids: list[int] | None = None  # a completion's; chat's are rendered from `messages`, continuing `base`
@@ -108,7 +173,7 @@ async def run_turn(serving: Serving, turn: Turn, http: Request) -> Response:
         assert turn.messages is not None
         ids = await asyncio.to_thread(continuation.prompt_ids, engine.loaded, turn.messages, turn.base, reading.tools)
     constraint = await structured.constraint(engine, turn.schema, reading.tools, reading.style, turn.schema_param)
-    params = turn.sampling(len(ids))
+    params = turn.sampling(output_budget(engine.loaded, len(ids), turn.max_tokens, serving.settings))
     num_tokens = len(ids) + params.max_tokens
     if turn.place is not None:
         placement = await turn.place(num_tokens)
@@ -137,7 +202,8 @@ async def run_turn(serving: Serving, turn: Turn, http: Request) -> Response:
     headers = answer_headers(admitted, turn.named)
     events = serving.metrics.meter(handle, engine.model_id, started)
     if turn.stream:
-        return event_stream(stream(renderer, handle, events), headers)
+        sse = stream(renderer, handle, events)
+        return EventSourceResponse(sse, headers=headers, sep="\n", ping=PING_S, send_timeout=SEND_TIMEOUT_S)
     return await collect(renderer, handle, events, http, headers)
 
 
@@ -156,8 +222,7 @@ async def collect(
             elif isinstance(event, Finished):
                 return JSONResponse(await renderer.body(event, "".join(parts), logprobs), headers=headers)
             elif isinstance(event, Failed):
-                body, status = renderer.error(event)
-                return JSONResponse(body, status, headers=headers)
+                return JSONResponse(*renderer.error(event), headers=headers)
     finally:
         watcher.cancel()
         handle.cancel()
@@ -188,7 +253,3 @@ async def stream(
     finally:
         handle.cancel()
         renderer.close()
-
-
-def event_stream(events: AsyncIterator[ServerSentEvent], headers: dict[str, str]) -> EventSourceResponse:
-    return EventSourceResponse(events, headers=headers, sep="\n", ping=PING_S, send_timeout=SEND_TIMEOUT_S)

@@ -10,17 +10,15 @@ from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
 from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.openai.schemas import ChatMessage as RequestMessage
-from server.serving.tools import ToolUse, canonical_arguments, content_beside_calls
+from server.serving.tools import ToolUse, content_beside_calls, tool_call
 from server.sessions.chat import ChatMessage
+from server.settings import Settings
 
 
 def check_text_size(loaded: LoadedModel, texts: list[str], param: str) -> None:
     """A prompt whose text alone must exceed the context is refused by its size, before any tokenizing:
     no token covers more than `max_token_bytes` bytes, so bytes / max_token_bytes tokens at least."""
-    _check_bytes(loaded, sum(len(text.encode()) for text in texts), param)
-
-
-def _check_bytes(loaded: LoadedModel, num_bytes: int, param: str) -> None:
+    num_bytes = sum(len(text.encode()) for text in texts)
     at_least = num_bytes // loaded.max_token_bytes
     if at_least > loaded.max_context:
         message = (
@@ -36,20 +34,21 @@ def check_chat_size(loaded: LoadedModel, messages: list[ChatMessage], tools: Too
     the prompt holds."""
     texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
     texts += [call["function"]["arguments"] for m in messages for call in m.get("tool_calls") or []]
-    num_bytes = sum(len(text.encode()) for text in texts)
-    _check_bytes(loaded, num_bytes, "messages")
+    check_text_size(loaded, texts, "messages")
     if tools is not None and tools.specs:
         definitions = json.dumps(tools.definitions(), ensure_ascii=False, separators=(",", ":"))
-        _check_bytes(loaded, num_bytes + len(definitions.encode()), "tools")
+        check_text_size(loaded, [*texts, definitions], "tools")
 
 
 def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
     prompt = req.single_prompt()
     if isinstance(prompt, str):
-        ids = loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids: list[int] = loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
         ids = checked_ids(list(prompt), loaded.vocab_size, "prompt")
-    return _non_empty(ids, "prompt")
+    if not ids:
+        raise ApiError(400, "invalid_parameter", "the prompt has no tokens", "prompt")
+    return ids
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
@@ -66,34 +65,13 @@ def _message(message: RequestMessage) -> ChatMessage:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         out["content"] = content_beside_calls(out["content"])
-        out["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.function.name, "arguments": canonical_arguments(c.function.arguments)},
-            }
-            for c in message.tool_calls
-        ]
+        out["tool_calls"] = [tool_call(c.id, c.function.name, c.function.arguments) for c in message.tool_calls]
     return out
 
 
-def _non_empty(ids: list[int], param: str) -> list[int]:
-    if not ids:
-        raise ApiError(400, "invalid_parameter", "the prompt has no tokens", param)
-    return ids
-
-
-def sampling_params(
-    req: SamplingFields,
-    loaded: LoadedModel,
-    num_prompt: int,
-    max_tokens: int | None,
-    default_max_tokens: int,
-    num_logprobs: int | None,
-    max_tokens_limit: int | None = None,
-) -> SamplingParams:
+def sampling_params(req: SamplingFields, loaded: LoadedModel, budget: int, num_logprobs: int | None) -> SamplingParams:
     return SamplingParams(
-        max_tokens=output_budget(loaded, num_prompt, max_tokens, default_max_tokens, max_tokens_limit),
+        max_tokens=budget,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=max(req.top_k, 0),
@@ -110,19 +88,17 @@ def sampling_params(
     )
 
 
-def output_budget(
-    loaded: LoadedModel, num_prompt: int, max_tokens: int | None, default_max_tokens: int, limit: int | None = None
-) -> int:
+def output_budget(loaded: LoadedModel, num_prompt: int, max_tokens: int | None, settings: Settings) -> int:
     """The request's max_tokens, or the default cut to the context; 400 when the context cannot hold it.
 
     An explicit 0 (Anthropic's prefill-only request: compute and cache the prompt) needs room for the prompt
     alone; a default needs room for one token at least."""
-    max_context = loaded.max_context
-    if max_tokens is not None and limit is not None and max_tokens > limit:
+    max_context, limit = loaded.max_context, settings.max_tokens_limit
+    if max_tokens is not None and max_tokens > limit:
         raise ApiError(400, "invalid_parameter", f"max_tokens is at most {limit} on this server", "max_tokens")
     is_prefill_only = max_tokens == 0
     if max_tokens is None:
-        max_tokens = min(default_max_tokens, max_context - num_prompt, limit or default_max_tokens)
+        max_tokens = min(settings.default_max_tokens, max_context - num_prompt, limit)
     if num_prompt + max_tokens > max_context or (max_tokens < 1 and not is_prefill_only):
         raise ApiError(
             400,

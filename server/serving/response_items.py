@@ -15,11 +15,12 @@ from typing import Any
 from server.openai.errors import ApiError
 from server.openai.response_objects import output_items
 from server.openai.responses import ItemReference, ResponseRequest
-from server.serving.tools import canonical_arguments
-from server.sessions.chat import ChatMessage, FunctionCall, Role, ToolCall
+from server.serving.tools import tool_call
+from server.sessions.chat import ChatMessage, Role
+from server.sessions.record import Session
 
 ITEM_ID = re.compile(r"^(msg|fc|in)_([0-9a-f]{32})(?:_([0-9]+))?$")
-Lookup = Callable[[str], dict[str, Any] | None]  # a response id -> its stored record (extras), if any
+Lookup = Callable[[str], Session | None]  # a response id -> its stored record, if any
 
 
 def stored_items(response_id: str, req: ResponseRequest) -> list[dict[str, Any]]:
@@ -50,9 +51,10 @@ def resolve(items: list[dict[str, Any]], lookup: Lookup) -> list[dict[str, Any]]
 
 def _find(item_id: str, lookup: Lookup) -> dict[str, Any]:
     match = ITEM_ID.match(item_id)
-    record = lookup("resp_" + match.group(2)) if match else None
+    stored = lookup("resp_" + match.group(2)) if match else None
     found = None
-    if match is not None and record is not None:
+    if match is not None and stored is not None:
+        record = stored.extras
         if match.group(1) == "in":
             found = next((i for i in record.get("input_items", []) if i.get("id") == item_id), None)
         else:
@@ -74,8 +76,7 @@ def messages_of(items: list[dict[str, Any]]) -> list[ChatMessage]:
             role: Role = "system" if item["role"] == "developer" else item["role"]
             messages.append({"role": role, "content": _text(item["content"])})
         elif kind == "function_call":
-            function: FunctionCall = {"name": item["name"], "arguments": canonical_arguments(item["arguments"])}
-            call: ToolCall = {"id": item["call_id"], "type": "function", "function": function}
+            call = tool_call(item["call_id"], item["name"], item["arguments"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)

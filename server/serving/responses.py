@@ -30,14 +30,13 @@ from server.openai.responses import RESPONSE_ID_PATTERN, ResponseRequest
 from server.serving import structured
 from server.serving.core import Serving, session_key
 from server.serving.pipeline import Placement, Renderer, Turn, run_turn
-from server.serving.prompts import check_text_size, output_budget
+from server.serving.prompts import check_text_size
 from server.serving.render.responses import KIND, ResponseRenderer, not_found, result
 from server.serving.response_items import messages_of, resolve, stored_items
 from server.serving.tool_reader import Reading, ToolReader
 from server.serving.tools import responses_tool_use
 from server.sessions.chat import ChatMessage
 from server.sessions.record import CompletedTurn, Session, SessionKey
-from server.sessions.store import SessionStore
 
 
 def request_fields(req: ResponseRequest, items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -68,27 +67,20 @@ def record_turn(extras: dict[str, Any], turn: CompletedTurn) -> None:
     extras.update(result(turn.finish_reason, reply["content"], turn.usage, reply.get("tool_calls", [])))
 
 
-def drop_unfinished(store: SessionStore) -> None:
-    """At start: responses a previous run never finished have nothing to continue from."""
-    for key in store.session_keys(KIND):
-        view = store.view(key)
-        if view is not None and view.extras.get("status") == "in_progress":
-            store.delete(key)
-
-
 class Responses:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
         self.store = serving.store
-        self.settings = serving.settings
         self.store.on_turn(KIND, record_turn)
-        drop_unfinished(self.store)
+        for key in self.store.session_keys(KIND):  # responses a previous run never finished: nothing to continue from
+            view = self.store.view(key)
+            if view is not None and view.extras.get("status") == "in_progress":
+                self.store.delete(key)
 
     async def _parent(self, req: ResponseRequest, tenant: str, model_id: str) -> Session | None:
         if req.previous_response_id is None:
             return None
-        key = _stored_key(tenant, req.previous_response_id)
-        parent = await self.serving.off_loop(self.store.view, key) if key is not None else None
+        parent = await self.serving.off_loop(self._stored, tenant, req.previous_response_id)
         if parent is None or parent.extras.get("status") not in ("completed", "incomplete"):
             raise not_found(req.previous_response_id, "previous_response_id")
         if parent.model_id != model_id:
@@ -96,23 +88,21 @@ class Responses:
             raise ApiError(400, "session_model_mismatch", message, "model")
         return parent
 
-    def _stored(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+    def _stored(self, tenant: str, response_id: str) -> Session | None:
         key = _stored_key(tenant, response_id)
-        view = self.store.view(key) if key is not None else None
-        return view.extras if view is not None else None
+        return self.store.view(key) if key is not None else None
 
     def _messages(self, req: ResponseRequest, parent: Session | None, items: list[dict[str, Any]]) -> list[ChatMessage]:
         """Instructions apply to this response only; the conversation is the parent's plus the new input."""
         history: list[ChatMessage] = []
         if parent is not None:
             history = parent.messages[1:] if parent.extras.get("instructions") is not None else parent.messages
-        own: list[ChatMessage] = (
-            [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-        )
-        return own + history + messages_of(items)
+        if req.instructions is not None:
+            history = [{"role": "system", "content": req.instructions}, *history]
+        return history + messages_of(items)
 
     async def create(self, req: ResponseRequest, http: Request, tenant: str) -> Response:
-        serving, s = self.serving, self.settings
+        serving = self.serving
         engine = serving.engine(req.model)
         named = session_key(req, http, tenant)
         session = named if named is not None and not named.is_bucket else None  # the turn runs there
@@ -129,10 +119,7 @@ class Responses:
         record = request_fields(req, items)
         key = SessionKey(tenant, response_id, KIND) if req.store else None  # the stored response's record
 
-        def sampling(num_prompt: int) -> SamplingParams:
-            budget = output_budget(
-                engine.loaded, num_prompt, req.max_output_tokens, s.default_max_tokens, s.max_tokens_limit
-            )
+        def sampling(budget: int) -> SamplingParams:
             return SamplingParams(max_tokens=budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
 
         async def place(num_tokens: int) -> Placement:
@@ -144,42 +131,35 @@ class Responses:
             if key is None:
                 return Placement(serving.session_for(named, num_tokens, engine), kv_source)
             # The record is the engine's session: it records the turn; a request the engine refuses leaves none
-            ttl = s.response_retention_s
+            ttl = serving.settings.response_retention_s
             await serving.off_loop(
                 self.store.create, key, engine.model_id, ttl, parent=req.previous_response_id, extras=dict(record)
             )
-
-            async def undo() -> None:
-                await serving.off_loop(self.store.delete, key)
-
-            return Placement(key, kv_source, undo)
+            return Placement(key, kv_source, lambda: serving.off_loop(self.store.delete, key))
 
         def renderer(admitted: Admitted, reader: ToolReader) -> Renderer:
-            parent_id, retention = req.previous_response_id, s.response_retention_s
-            return ResponseRenderer(
-                response_id, engine.model_id, record, parent_id, serving, reader, key, session, retention
-            )
+            parent_id = req.previous_response_id
+            return ResponseRenderer(response_id, engine.model_id, record, parent_id, serving, reader, key, session)
 
         turn = Turn(
-            engine, tenant, reading, named, messages, sampling, renderer, req.stream, base=base,
+            engine, tenant, reading, named, messages, req.max_output_tokens, sampling, renderer, req.stream, base=base,
             schema=structured.schema_of(fmt.type, fmt.schema_) if fmt is not None else None,
             schema_param="text.format", use_cache=req.cache_prompt, place=place,
         )  # fmt: skip
         return await run_turn(serving, turn, http)
 
     def get(self, response_id: str, tenant: str) -> dict[str, Any]:
-        key = _stored_key(tenant, response_id)
-        view = self.store.view(key) if key is not None else None
+        view = self._stored(tenant, response_id)
         if view is None:
             raise not_found(response_id)
         return response_object(response_id, view.model_id, view.extras, view.parent)
 
     def input_items(self, response_id: str, tenant: str, limit: int, order: str, after: str | None) -> dict[str, Any]:
         """The items a stored response was given (references as they were sent), OpenAI's list shape."""
-        record = self._stored(tenant, response_id)
-        if record is None:
+        view = self._stored(tenant, response_id)
+        if view is None:
             raise not_found(response_id)
-        items = list(record.get("input_items", []))
+        items = list(view.extras.get("input_items", []))
         if order == "desc":
             items.reverse()
         if after is not None:

@@ -11,7 +11,6 @@ with no finite document, is a 400 naming the parameter it came from, before the 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.engine import Engine
@@ -38,22 +37,14 @@ def format_schema(response_format: ResponseFormat | None) -> dict[str, Any] | No
     return schema_of(response_format.type, spec.schema_ if spec is not None else None)
 
 
-@dataclass(slots=True, frozen=True)
-class GrammarText:
-    """A request's grammar, the parameter it comes from, and (for forced calls) each function's call opening:
-    the grammar is walked from each too, so a function's arguments past the library's limits are found before
-    generating, whichever function the model would pick."""
-
-    grammar: str
-    param: str
-    starts: dict[str, str] = field(default_factory=dict)  # "function 'f'" -> its call's opening
-
-
-def grammar_text(
-    schema: dict[str, Any] | None, tools: ToolUse | None, style: str, format_param: str = "response_format"
-) -> GrammarText | None:
-    """The request's grammar, or None when it is free text. `format_param`: the API's name of its output
-    format (response_format, text.format, output_config.format)."""
+async def constraint(
+    engine: Engine, schema: dict[str, Any] | None, tools: ToolUse | None, style: str, format_param: str
+) -> Constraint | None:
+    """The request's grammar, compiled (None: free text). `format_param`: the API's name of its output format
+    (response_format, text.format, output_config.format). Forced calls' grammar is walked from each function's
+    call opening too, so a function's arguments past the library's limits are found before generating, whichever
+    function the model would pick."""
+    starts: dict[str, str] = {}  # "function 'f'" -> its call's opening
     if tools is not None and tools.is_forced:
         specs = tool_calls.forced_specs(tools)
         for spec in specs:
@@ -61,32 +52,21 @@ def grammar_text(
             if problem is not None:
                 raise refused(f"function '{spec.name}' parameters: {problem}", "tools")
         starts = {f"function '{s.name}'": tool_calls.call_start(s.name, style) for s in specs}
-        return GrammarText(Grammars.lark(tool_calls.grammar(tools, style)), "tools", starts)
-    if schema is None:
+        grammar, param = Grammars.lark(tool_calls.grammar(tools, style)), "tools"
+    elif schema is None:
         return None
-    problem = finite_document_problem(schema)
-    try:
+    else:
+        problem, param = finite_document_problem(schema), format_param
         if problem is not None:
-            raise GrammarError(f"the JSON schema cannot be used: {problem}")
-        return GrammarText(Grammars.json_schema(schema), format_param)
-    except GrammarError as exc:
-        raise refused(exc.message, format_param) from exc
-
-
-async def constraint(
-    engine: Engine,
-    schema: dict[str, Any] | None,
-    tools: ToolUse | None,
-    style: str,
-    format_param: str = "response_format",
-) -> Constraint | None:
-    found = grammar_text(schema, tools, style, format_param)
-    if found is None:
-        return None
+            raise refused(f"the JSON schema cannot be used: {problem}", param)
+        try:
+            grammar = Grammars.json_schema(schema)
+        except GrammarError as exc:
+            raise refused(exc.message, param) from exc
     try:
-        return await asyncio.to_thread(engine.grammars.compile, found.grammar, found.starts)
+        return await asyncio.to_thread(engine.grammars.compile, grammar, starts)
     except GrammarError as exc:
-        raise refused(exc.message, found.param) from exc
+        raise refused(exc.message, param) from exc
 
 
 def refused(message: str, param: str) -> ApiError:

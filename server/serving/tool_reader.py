@@ -16,10 +16,10 @@ from server.serving.tools import (
     assistant_message,
     call_id,
     call_markers,
-    canonical_arguments,
     model_tool_format,
+    tool_call,
 )
-from server.sessions.chat import ChatMessage, FunctionCall, ToolCall
+from server.sessions.chat import ChatMessage, ToolCall
 
 # A call's opening with its name whole (the name first, as the prompt and the grammar write it), and where its
 # arguments begin when their key was written too.
@@ -118,12 +118,7 @@ class ToolReader:
         arguments = obj.get("arguments", obj.get("parameters", {}))
         if not isinstance(arguments, dict) or (self.calls and not self.tools.parallel):
             return []
-        function: FunctionCall = {"name": obj["name"], "arguments": canonical_arguments(arguments)}
-        call: ToolCall = {
-            "id": call_id(self.request_id, len(self.calls)),
-            "type": "function",
-            "function": function,
-        }
+        call = tool_call(call_id(self.request_id, len(self.calls)), obj["name"], arguments)
         self.calls.append(call)
         return [call]
 
@@ -148,8 +143,8 @@ class ToolReader:
         except ValueError:
             arguments = None
         is_whole = isinstance(arguments, dict)
-        function: FunctionCall = {"name": name, "arguments": canonical_arguments(arguments) if is_whole else rest}
-        call: ToolCall = {"id": call_id(self.request_id, len(self.calls)), "type": "function", "function": function}
+        # whole arguments canonical; unfinished ones do not parse, so they stay the text so far
+        call = tool_call(call_id(self.request_id, len(self.calls)), name, arguments if is_whole else rest)
         self.calls.append(call)
         self.is_cut = not is_whole
         return [call]
@@ -188,22 +183,6 @@ class Reading:
 
     def reply(self, text: str) -> ChatMessage:
         return read_reply(text, self.tools, self.style, self.request_id)
-
-
-class LeadingBlank:
-    """Whitespace before a reply's first visible text is held back: if calls follow, it is no content (the
-    answer's rule, `content_beside_calls`); a reply that is only whitespace and makes no call keeps it."""
-
-    def __init__(self) -> None:
-        self._held = ""
-
-    def take(self, text: str, is_open: bool, last: bool, num_calls: int) -> str:
-        """What of the held whitespace and `text` to send now ("" while it is held)."""
-        text, self._held = self._held + text, ""
-        if text and (is_open or text.strip() or (last and not num_calls)):
-            return text
-        self._held = text
-        return ""
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -156,6 +156,11 @@ def canonical_arguments(arguments: str | dict[str, Any]) -> str:
         return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
+def tool_call(ident: str, name: str, arguments: str | dict[str, Any]) -> ToolCall:
+    """A call in chat's normal form (its arguments canonical), whoever wrote it."""
+    return {"id": ident, "type": "function", "function": {"name": name, "arguments": canonical_arguments(arguments)}}
+
+
 def call_id(request_id: str, index: int) -> str:
     """Derived, not random: the stream, the JSON answer and the session's record name a call alike."""
     return "call_" + hashlib.blake2b(f"{request_id}:{index}".encode(), digest_size=12).hexdigest()

@@ -7,9 +7,16 @@ import json
 import jiter
 
 from server.anthropic.answers import tool_input
-from server.serving.render.messages import BlockStream
+from server.engine.request import Admitted
+from server.serving.render.messages import MessageRenderer
+from server.serving.tool_reader import ToolReader
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}
+
+
+def message_blocks() -> MessageRenderer:
+    """A Messages reply's renderer, for its content blocks' events."""
+    return MessageRenderer("msg_1", "m", ToolReader(None, "hermes", "msg_1"), 0, Admitted(1, 0, "none"), None)
 
 
 def kinds(events) -> list[tuple[str, str]]:
@@ -22,8 +29,8 @@ def kinds(events) -> list[tuple[str, str]]:
 
 
 def test_whitespace_then_a_call_streams_only_the_call():
-    blocks = BlockStream()
-    events = blocks.text("\n") + blocks.calls([CALL]) + blocks.text("", last=True) + blocks.close()
+    blocks = message_blocks()
+    events = blocks.text("\n") + blocks.calls([CALL]) + blocks.text("", last=True) + blocks.close_text()
     assert kinds(events) == [
         ("content_block_start", "tool_use"),
         ("content_block_delta", "input_json_delta"),
@@ -32,8 +39,8 @@ def test_whitespace_then_a_call_streams_only_the_call():
 
 
 def test_text_then_a_call_streams_both_in_order():
-    blocks = BlockStream()
-    events = blocks.text("Let me look.") + blocks.calls([CALL]) + blocks.close()
+    blocks = message_blocks()
+    events = blocks.text("Let me look.") + blocks.calls([CALL]) + blocks.close_text()
     assert [k for k, _ in kinds(events)].count("content_block_start") == 2
     assert kinds(events)[0] == ("content_block_start", "text")
 
@@ -54,6 +61,6 @@ def test_a_cut_calls_input_is_what_anthropics_client_reads_of_it():
 
 def test_a_cut_call_streams_its_input_so_far():
     cut = {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": '{"a":1,"b":"unfinis'}}
-    events = [json.loads(sse.data) for sse in BlockStream().calls([cut])]
+    events = [json.loads(sse.data) for sse in message_blocks().calls([cut])]
     assert events[0]["content_block"] == {"type": "tool_use", "id": "call_2", "name": "f", "input": {}}
     assert json.loads(events[1]["delta"]["partial_json"]) == {"a": 1} == tool_input(cut["function"]["arguments"])

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import time
 from functools import lru_cache
 from typing import Any
 
 from sse_starlette import ServerSentEvent
 
+from server.engine.engine import Engine
 from server.engine.request import Failed, Finished, TextDelta, TokenLogprob
 from server.openai import chunks
-from server.openai.errors import failure_body
+from server.openai.schemas import SamplingFields
 from server.serving.pipeline import Renderer
 from server.serving.tool_reader import ToolReader
 from server.sessions.chat import ToolCall
@@ -20,9 +21,11 @@ from server.sessions.chat import ToolCall
 class CompletionRenderer(Renderer):
     """One completion's chunks (a chat reply's tool calls read out of its text), or its response body."""
 
-    def __init__(self, meta: chunks.Meta, tokenizer: Any, reader: ToolReader, include_usage: bool) -> None:
-        self.meta, self.reader, self.include_usage = meta, reader, include_usage
-        self.token_text = token_texts(tokenizer)
+    def __init__(self, req: SamplingFields, engine: Engine, is_chat: bool, reader: ToolReader) -> None:
+        self.meta = chunks.Meta(reader.request_id, int(time.time()), engine.model_id, is_chat)
+        self.reader, self.include_usage = reader, bool(req.stream_options and req.stream_options.include_usage)
+        tokenizer = engine.loaded.tokenizer  # token_text: a token's text (for logprobs), cached for the request
+        self.token_text = lru_cache(maxsize=4096)(lambda token_id: str(tokenizer.decode([token_id])))
         self.offset = 0  # the text sent so far, in characters (the logprobs' text offsets)
 
     async def body(self, finished: Finished, text: str, logprobs: list[TokenLogprob]) -> dict[str, Any]:
@@ -53,24 +56,14 @@ class CompletionRenderer(Renderer):
         return out
 
     def failed(self, event: Failed) -> list[ServerSentEvent]:
-        return [_data(failure_body(event.code, event.message)[0])]
+        return [_data(self.error(event)[0])]
 
     def closing(self) -> list[ServerSentEvent]:
         return [ServerSentEvent(data="[DONE]", sep="\n")]
 
     def _calls(self, calls: list[ToolCall]) -> list[ServerSentEvent]:
-        if not calls:
-            return []
         first = len(self.reader.calls) - len(calls)
         return [_data(chunk) for chunk in chunks.tool_call_chunks(self.meta, calls, first)]
-
-
-def token_texts(tokenizer: Any) -> Callable[[int], str]:
-    @lru_cache(maxsize=4096)
-    def token_text(token_id: int) -> str:
-        return str(tokenizer.decode([token_id]))
-
-    return token_text
 
 
 def _data(obj: dict[str, Any]) -> ServerSentEvent:

@@ -16,26 +16,26 @@ from server.anthropic.answers import (
     tool_input,
     usage,
 )
-from server.engine.request import Admitted, Failed, Finished, TextDelta, TokenLogprob
+from server.engine.request import Admitted, Failed, Finished, TokenLogprob
 from server.openai.errors import CODE_STATUS
-from server.serving.pipeline import Renderer
-from server.serving.tool_reader import LeadingBlank, ToolReader
+from server.serving.pipeline import PartsRenderer
+from server.serving.tool_reader import ToolReader
 from server.sessions.chat import ToolCall
 
 
-class MessageRenderer(Renderer):
+class MessageRenderer(PartsRenderer):
     """One Messages API reply: the message object, or Anthropic's events (content blocks opened as they come)."""
 
     def __init__(
         self, message_id: str, model: str, reader: ToolReader, num_marked: int, admitted: Admitted, ttl_s: float | None
     ) -> None:
-        """`num_marked`: prompt tokens up to the last cache_control breakpoint (computed ones were cached now),
-        kept for `ttl_s` (its ttl)."""
-        self.message_id, self.model, self.reader = message_id, model, reader
+        """`num_marked`: prompt tokens up to the last cache_control breakpoint (computed ones were cached now; no
+        more than the prompt's), kept for `ttl_s` (its ttl)."""
+        super().__init__(reader)
+        self.message_id, self.model = message_id, model
         self.num_prompt, self.num_cached = admitted.num_prompt, admitted.num_cached
-        self.num_created = max(0, num_marked - admitted.num_cached)
+        self.num_created = max(0, min(num_marked, admitted.num_prompt) - admitted.num_cached)
         self.is_hour = ttl_s is not None and ttl_s >= 3600
-        self.blocks = BlockStream()
 
     def _usage(self, num_output: int) -> dict[str, Any]:
         return usage(self.num_prompt, self.num_cached, self.num_created, num_output, self.is_hour)
@@ -57,67 +57,34 @@ class MessageRenderer(Renderer):
         start = message_object(self.message_id, self.model, [], usage=self._usage(0))
         return [event("message_start", message=start)]
 
-    def delta(self, item: TextDelta) -> list[ServerSentEvent]:
-        if not item.text:
-            return []
-        text, calls = self.reader.feed(item.text)
-        return self.blocks.text(text) + self.blocks.calls(calls)
-
     async def finished(self, item: Finished) -> list[ServerSentEvent]:
-        blocks = self.blocks
-        text, calls = self.reader.finish()
-        out = blocks.text(text, last=True) + blocks.calls(calls) + blocks.close()
-        reason = stop_reason(item.finish_reason, item.stop_sequence, bool(blocks.num_calls))
+        out = self.rest()
+        reason = stop_reason(item.finish_reason, item.stop_sequence, bool(self.num_calls))
         delta = {"stop_reason": reason, "stop_sequence": item.stop_sequence}
         out.append(event("message_delta", delta=delta, usage={"output_tokens": item.usage.completion_tokens}))
         out.append(event("message_stop"))
         return out
 
     def failed(self, item: Failed) -> list[ServerSentEvent]:
-        status = CODE_STATUS.get(item.code, 500)
-        return [event("error", error=error_envelope(status, item.code, item.message)["error"])]
+        return [event("error", error=self.error(item)[0]["error"])]
 
+    def _text_opened(self) -> list[ServerSentEvent]:
+        return [event("content_block_start", index=0, content_block={"type": "text", "text": ""})]
 
-class BlockStream:
-    """Content blocks as events, in order: the text block (opened on its first visible text), then each call."""
+    def _text(self, text: str) -> list[ServerSentEvent]:
+        return [event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})]
 
-    def __init__(self) -> None:
-        self.index = 0  # the next block's
-        self.is_open = False
-        self.num_calls = 0
-        self._blank = LeadingBlank()
-
-    def text(self, text: str, last: bool = False) -> list[ServerSentEvent]:
-        text = self._blank.take(text, self.is_open, last, self.num_calls)
-        if not text:
-            return []
-        out = [] if self.is_open else self._open()
-        delta = {"type": "text_delta", "text": text}
-        return [*out, event("content_block_delta", index=self.index, delta=delta)]
-
-    def _open(self) -> list[ServerSentEvent]:
-        self.is_open = True
-        return [event("content_block_start", index=self.index, content_block={"type": "text", "text": ""})]
-
-    def close(self) -> list[ServerSentEvent]:
+    def _text_closed(self) -> list[ServerSentEvent]:
         """The text block's end (an empty reply has no block at all, as in the answer's JSON)."""
-        if not self.is_open:
-            return []
-        out = []
-        self.is_open = False
-        out.append(event("content_block_stop", index=self.index))
-        self.index += 1
-        return out
+        return [event("content_block_stop", index=0)]
 
-    def calls(self, calls: list[ToolCall]) -> list[ServerSentEvent]:
-        out = self.close() if calls and self.is_open else []
-        for call in calls:
-            function = call["function"]
-            start = {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}}
-            out.append(event("content_block_start", index=self.index, content_block=start))
-            # One delta with the whole input (of a call cut short, what of it is whole: the answer's JSON agrees)
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(tool_input(function["arguments"]))}
-            out.append(event("content_block_delta", index=self.index, delta=delta))
-            out.append(event("content_block_stop", index=self.index))
-            self.index, self.num_calls = self.index + 1, self.num_calls + 1
-        return out
+    def _call(self, call: ToolCall, index: int, position: int, is_cut: bool) -> list[ServerSentEvent]:
+        """One delta with the whole input (of a call cut short, what of it is whole: the answer's JSON agrees)."""
+        function = call["function"]
+        start = {"type": "tool_use", "id": call["id"], "name": function["name"], "input": {}}
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(tool_input(function["arguments"]))}
+        return [
+            event("content_block_start", index=position, content_block=start),
+            event("content_block_delta", index=position, delta=delta),
+            event("content_block_stop", index=position),
+        ]

@@ -7,12 +7,12 @@ from typing import Any
 
 from sse_starlette import ServerSentEvent
 
-from server.engine.request import Failed, Finished, TextDelta, TokenLogprob
+from server.engine.request import Failed, Finished, TokenLogprob
 from server.openai.errors import ApiError
 from server.openai.response_objects import call_item_id, function_call_item, message_id, message_item, response_object
 from server.serving.core import Serving
-from server.serving.pipeline import Renderer
-from server.serving.tool_reader import LeadingBlank, ToolReader
+from server.serving.pipeline import PartsRenderer
+from server.serving.tool_reader import ToolReader
 from server.sessions.chat import ToolCall
 from server.sessions.record import SessionKey, Turn, Usage
 
@@ -36,7 +36,9 @@ def result(finish_reason: str, text: str, usage: Usage, calls: list[ToolCall]) -
     }
 
 
-class ResponseRenderer(Renderer):
+class ResponseRenderer(PartsRenderer):
+    """One response: the Response object, or its events (its message item at output 0, then each call's); its record."""
+
     def __init__(
         self,
         response_id: str,
@@ -47,17 +49,17 @@ class ResponseRenderer(Renderer):
         reader: ToolReader,
         stored: SessionKey | None,
         session: SessionKey | None,
-        retention_s: float,
     ) -> None:
         """`stored`: the response's record (None: store=false). Without a `session`, the engine records the turn
         in it; with one, the turn runs on that session and the record is written from its state afterwards."""
+        super().__init__(reader)
         self.response_id, self.model, self.record, self.parent = response_id, model, record, parent
         self.store, self.off_loop = serving.store, serving.off_loop  # the store may wait on Redis: off the loop
-        self.reader, self.stored, self.session = reader, stored, session
-        self.retention_s = retention_s
+        self.stored, self.session = stored, session
+        self.retention_s = serving.settings.response_retention_s
         self.sequence_number = 0
+        self.sent = ""  # the message's text so far
         self.is_finished = False
-        self.items = ItemStream(self)
 
     def _object(self, **state: Any) -> dict[str, Any]:
         return response_object(self.response_id, self.model, {**self.record, **state}, self.parent)
@@ -94,18 +96,12 @@ class ResponseRenderer(Renderer):
     def opening(self) -> list[ServerSentEvent]:
         out = [self.event("response.created", response=self._object())]
         out.append(self.event("response.in_progress", response=self._object()))
-        return out if self.reader.reads_calls else out + self.items.open_message()
-
-    def delta(self, event: TextDelta) -> list[ServerSentEvent]:
-        if not event.text:
-            return []
-        text, calls = self.reader.feed(event.text)
-        return self.items.text(text) + self.items.calls(calls)
+        return out if self.reader.reads_calls else out + self.open_text()
 
     async def finished(self, event: Finished) -> list[ServerSentEvent]:
-        items = self.items
-        text, calls = self.reader.finish()
-        out = items.text(text, last=True) + items.calls(calls, self.reader.is_cut) + items.close()
+        out = self.rest()
+        if not self.has_text and not self.num_calls:  # a reply with neither text nor calls: an empty message
+            out += self.open_text() + self.close_text()
         final = await self._finished(event)
         return [*out, self.event(f"response.{final['status']}", response=final)]
 
@@ -117,62 +113,34 @@ class ResponseRenderer(Renderer):
         if self.stored is not None and self.session is None and not self.is_finished:
             self.store.delete(self.stored)  # nothing to continue from: a failed or abandoned response is not kept
 
-
-class ItemStream:
-    """The output items' events, in output order: the message (opened on its first visible text, closed before
-    the first call), then each call."""
-
-    def __init__(self, run: ResponseRenderer) -> None:
-        self.run = run
-        self.sent = ""  # the message's text so far
-        self.is_open = self.is_closed = False
-        self.num_calls = 0
-        self._blank = LeadingBlank()  # no message item for whitespace before any visible text yet
-
     def _where(self) -> dict[str, Any]:
-        return {"item_id": message_id(self.run.response_id), "output_index": 0, "content_index": 0}
+        return {"item_id": message_id(self.response_id), "output_index": 0, "content_index": 0}
 
-    def open_message(self) -> list[ServerSentEvent]:
-        self.is_open = True
-        item = message_item(self.run.response_id, "in_progress", None)
-        added = self.run.event("response.output_item.added", output_index=0, item=item)
-        return [added, self.run.event("response.content_part.added", **self._where(), part=EMPTY_PART)]
+    def _text_opened(self) -> list[ServerSentEvent]:
+        item = message_item(self.response_id, "in_progress", None)
+        added = self.event("response.output_item.added", output_index=0, item=item)
+        return [added, self.event("response.content_part.added", **self._where(), part=EMPTY_PART)]
 
-    def text(self, text: str, last: bool = False) -> list[ServerSentEvent]:
-        text = self._blank.take(text, self.is_open, last, self.num_calls)
-        if not text:
-            return []
-        out = [] if self.is_open else self.open_message()
+    def _text(self, text: str) -> list[ServerSentEvent]:
         self.sent += text
-        return [*out, self.run.event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
+        return [self.event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
 
-    def close(self) -> list[ServerSentEvent]:
-        """The message's closing events (an empty message when the reply has neither text nor calls)."""
-        out = self.open_message() if not self.is_open and not self.num_calls else []
-        if not self.is_open or self.is_closed:
-            return out
-        self.is_closed = True
+    def _text_closed(self) -> list[ServerSentEvent]:
         where, text = self._where(), self.sent
-        out.append(self.run.event("response.output_text.done", **where, text=text, logprobs=[]))
-        out.append(self.run.event("response.content_part.done", **where, part={**EMPTY_PART, "text": text}))
-        item = message_item(self.run.response_id, "completed", text)
-        out.append(self.run.event("response.output_item.done", output_index=0, item=item))
+        out = [self.event("response.output_text.done", **where, text=text, logprobs=[])]
+        out.append(self.event("response.content_part.done", **where, part={**EMPTY_PART, "text": text}))
+        item = message_item(self.response_id, "completed", text)
+        out.append(self.event("response.output_item.done", output_index=0, item=item))
         return out
 
-    def calls(self, calls: list[ToolCall], is_cut: bool = False) -> list[ServerSentEvent]:
-        """Each call's events; with `is_cut`, the last one's arguments are unfinished (its item is incomplete)."""
-        out = self.close() if calls and self.is_open else []
-        run = self.run
-        for number, call in enumerate(calls, 1):
-            status = "incomplete" if is_cut and number == len(calls) else "completed"
-            index, self.num_calls = self.num_calls, self.num_calls + 1
-            position = index + (1 if self.is_open else 0)
-            where = {"item_id": call_item_id(run.response_id, index), "output_index": position}
-            arguments = call["function"]["arguments"]
-            added = {**function_call_item(run.response_id, index, call, "in_progress"), "arguments": ""}
-            out.append(run.event("response.output_item.added", output_index=position, item=added))
-            out.append(run.event("response.function_call_arguments.delta", **where, delta=arguments))
-            out.append(run.event("response.function_call_arguments.done", **where, arguments=arguments))
-            done = function_call_item(run.response_id, index, call, status)
-            out.append(run.event("response.output_item.done", output_index=position, item=done))
+    def _call(self, call: ToolCall, index: int, position: int, is_cut: bool) -> list[ServerSentEvent]:
+        """A cut call's item is incomplete."""
+        where = {"item_id": call_item_id(self.response_id, index), "output_index": position}
+        arguments = call["function"]["arguments"]
+        added = {**function_call_item(self.response_id, index, call, "in_progress"), "arguments": ""}
+        out = [self.event("response.output_item.added", output_index=position, item=added)]
+        out.append(self.event("response.function_call_arguments.delta", **where, delta=arguments))
+        out.append(self.event("response.function_call_arguments.done", **where, arguments=arguments))
+        done = function_call_item(self.response_id, index, call, "incomplete" if is_cut else "completed")
+        out.append(self.event("response.output_item.done", output_index=position, item=done))
         return out
