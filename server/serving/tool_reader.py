@@ -113,7 +113,7 @@ class ToolReader:
     def _add(self, obj: Any) -> list[ToolCall]:
         assert self.tools is not None  # only a reader that reads calls finds any
         names = {spec.name for spec in self.tools.specs}
-        if not isinstance(obj, dict) or obj.get("name") not in names:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
             return []
         arguments = obj.get("arguments", obj.get("parameters", {}))
         if not isinstance(arguments, dict) or (self.calls and not self.tools.parallel):

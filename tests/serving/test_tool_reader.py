@@ -51,6 +51,8 @@ def test_text_that_only_looks_like_a_call_stays_content():
     for text in (
         "a <tool_call>{not json}</tool_call> b",
         '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": ["add"], "arguments": {}}</tool_call>',  # a name that is no string (unhashable)
+        '<tool_call>{"name": {"add": 1}, "arguments": {}}</tool_call>',
         "<tool",
     ):
         assert read_reply(text, TOOLS, "hermes", "r") == {"role": "assistant", "content": text}
