@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -15,7 +16,8 @@ import torch
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine, EngineStats
 from server.engine.request import Admitted, Failed, Finished, GenerationRequest, SamplingParams, TextDelta
-from server.kv.tiers import TierStore
+from server.kv.block_store import BlockStore
+from server.kv.tiers import TierFormats, TierStore
 from server.models.loader import LoadedModel
 from server.sessions.record import SessionKey, Usage
 from server.sessions.store import SessionStore
@@ -116,6 +118,28 @@ def make_engine(
     engine = Engine(loaded, store, tiers, engine_config)
     engine.start()
     return engine
+
+
+@contextlib.contextmanager
+def tiers_below(tier: str, directory: Path, block_size: int, formats: TierFormats | None = None) -> Iterator[TierStore]:
+    """Tiers where a session's K/V evicted from the pool lands in `tier`: host RAM (a disk below it), the disk
+    (no host RAM), or Redis ("shared": a real redis-server on loopback, no host RAM and no disk)."""
+    from server.kv.redis_blocks import RedisBlocks
+    from tests.e2e.redis_server import Redis
+
+    redis = Redis(directory) if tier == "shared" else None
+    disk = None if redis is not None else directory / "kv"
+    tiers = TierStore((1 << 30) if tier == "host" else 0, 1 << 30, disk, block_size, formats or TierFormats())
+    if redis is not None:
+        tiers.shared = BlockStore(RedisBlocks(redis.url), "shared")
+    try:
+        yield tiers
+    finally:
+        tiers.close()
+        if tiers.shared is not None:
+            tiers.shared.close()
+        if redis is not None:
+            redis.stop()
 
 
 def wait_until(condition: Callable[[], object], timeout_s: float = DEADLINE_S, what: str = "the condition") -> None:

@@ -19,7 +19,7 @@ from server.kv.pool import KVLayout, KVPool, convert, dequantize, quantize, stor
 from server.kv.snapshot import Snapshot, decode_block, encode_block
 from server.kv.tiers import TierFormats, TierStore
 from server.sessions.record import SessionKey
-from tests.helpers import make_engine, run
+from tests.helpers import make_engine, run, tiers_below
 
 FORMATS = [torch.int8, torch.float8_e4m3fn]
 LARGEST = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -143,54 +143,47 @@ def words(tiny, text: str) -> list[int]:
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("tier", ["pool", "host", "disk", "shared"])
 async def test_a_session_served_from_the_pool_or_a_tier_continues_as_computed_afresh(tiny, tmp_path, kv_dtype, tier):
-    from server.kv.redis_blocks import RedisBlocks
-    from tests.e2e.redis_server import Redis
-
     block, token_bytes = 4, 2 * 2 * 2 * (16 + 4)  # K+V x layers x kv_heads x (head_dim + the scale's 4 bytes)
-    redis = Redis(tmp_path) if tier == "shared" else None
-    directory = None if redis else tmp_path / "kv"
-    tiers = TierStore((1 << 30) if tier == "host" else 0, 1 << 30, directory, block_size=block)
-    if redis is not None:
-        tiers.shared = BlockStore(RedisBlocks(redis.url), "shared")
     num_blocks = 24 if tier != "pool" else 256
-    engine = make_engine(
-        tiny, tiers=tiers, budget_bytes=num_blocks * block * token_bytes, block_size=block, kv_dtype=kv_dtype
-    )
-    fresh = make_engine(tiny, budget_bytes=256 * block * token_bytes, block_size=block, kv_dtype=kv_dtype)
-    try:
-        assert engine.runner.pool.k[0].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
-        assert engine.runner.pool.num_blocks == num_blocks
-        prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
-        first = await run(engine, prompt, session="a", max_tokens=6, ignore_eos=True)
-        transcript = prompt + first.token_ids
-        whole = (len(transcript) - 1) // block * block  # Redis keeps full blocks only
-        if tiers.shared is not None:
-            tiers.shared.flush()  # the turn's full blocks, in Redis
-        if tier != "pool":  # other sessions fill the pool: a's K/V goes down a tier first (or is dropped)
-            for i, text in enumerate(["Paris is the capital of France;", "Numbers 0123456789 and symbols !?."] * 2):
-                await run(engine, words(tiny, text * 2), session=f"other{i}", max_tokens=4, ignore_eos=True)
-            tiers.flush_pending()
-            usage = tiers.usage(SessionKey("default", "a"))
-            if tier == "shared":  # the quantized blocks, under the int8 / fp8 pool's own addresses
-                names = addresses(engine.fingerprint, block, "default", transcript[:whole])
-                assert all(tiers.shared.backend.held(names))
-            else:
-                assert (usage.host_tokens if tier == "host" else usage.disk_tokens) == len(transcript) - 1
-        turn2 = transcript + words(tiny, " Hello world")
-        second = await run(engine, turn2, session="a", max_tokens=5, ignore_eos=True)
-        assert second.admitted.source == ("device" if tier == "pool" else tier)
-        assert second.admitted.num_cached == (whole if tier == "shared" else len(transcript) - 1)
-        cold = await run(fresh, turn2, max_tokens=5, ignore_eos=True, use_cache=False)
-        assert cold.admitted.num_cached == 0
-        assert second.token_ids == cold.token_ids
-    finally:
-        engine.stop()
-        fresh.stop()
-        tiers.close()
-        if tiers.shared is not None:
-            tiers.shared.close()
-        if redis is not None:
-            redis.stop()
+    with tiers_below(tier, tmp_path, block) as tiers:
+        engine = make_engine(
+            tiny, tiers=tiers, budget_bytes=num_blocks * block * token_bytes, block_size=block, kv_dtype=kv_dtype
+        )
+        fresh = make_engine(tiny, budget_bytes=256 * block * token_bytes, block_size=block, kv_dtype=kv_dtype)
+        try:
+            assert engine.runner.pool.k[0].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
+            assert engine.runner.pool.num_blocks == num_blocks
+            prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
+            first = await run(engine, prompt, session="a", max_tokens=6, ignore_eos=True)
+            transcript = prompt + first.token_ids
+            whole = (len(transcript) - 1) // block * block  # Redis keeps full blocks only
+            if tiers.shared is not None:
+                tiers.shared.flush()  # the turn's full blocks, in Redis
+            if tier != "pool":  # other sessions fill the pool: a's K/V goes down a tier first (or is dropped)
+                await fill_the_pool(engine, tiny)
+                tiers.flush_pending()
+                usage = tiers.usage(SessionKey("default", "a"))
+                if tier == "shared":  # the quantized blocks, under the int8 / fp8 pool's own addresses
+                    names = addresses(engine.fingerprint, block, "default", transcript[:whole])
+                    assert all(tiers.shared.backend.held(names))
+                else:
+                    assert (usage.host_tokens if tier == "host" else usage.disk_tokens) == len(transcript) - 1
+            turn2 = transcript + words(tiny, " Hello world")
+            second = await run(engine, turn2, session="a", max_tokens=5, ignore_eos=True)
+            assert second.admitted.source == ("device" if tier == "pool" else tier)
+            assert second.admitted.num_cached == (whole if tier == "shared" else len(transcript) - 1)
+            cold = await run(fresh, turn2, max_tokens=5, ignore_eos=True, use_cache=False)
+            assert cold.admitted.num_cached == 0
+            assert second.token_ids == cold.token_ids
+        finally:
+            engine.stop()
+            fresh.stop()
+
+
+async def fill_the_pool(engine, tiny) -> None:
+    """Other sessions' turns take the pool: an idle session's K/V goes down a tier (or is dropped)."""
+    for i, text in enumerate(["Paris is the capital of France;", "Numbers 0123456789 and symbols !?."] * 2):
+        await run(engine, words(tiny, text * 2), session=f"other{i}", max_tokens=4, ignore_eos=True)
 
 
 def test_models_toml_names_a_k_v_dtype_or_is_refused(tmp_path):
@@ -331,51 +324,38 @@ def pool_kv(engine, token_ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("tier", ["host", "disk", "shared"])
 async def test_a_tier_set_to_int8_keeps_a_compute_dtype_pool_s_session_in_8_bits_and_restores_it(tiny, tmp_path, tier):
-    from server.kv.redis_blocks import RedisBlocks
-    from tests.e2e.redis_server import Redis
-
     block, token_bytes = 4, KVLayout(2, 2, 16, tiny.dtype).bytes_per_token  # computed in float64: exact tests
-    formats = TierFormats(**{tier: "int8"})
-    redis = Redis(tmp_path) if tier == "shared" else None
-    tiers = TierStore((1 << 30) if tier == "host" else 0, 1 << 30, None if redis else tmp_path / "kv", block, formats)
-    if redis is not None:
-        tiers.shared = BlockStore(RedisBlocks(redis.url), "shared")
-    engine = make_engine(tiny, tiers=tiers, budget_bytes=24 * block * token_bytes, block_size=block)
-    fresh = make_engine(tiny, budget_bytes=256 * block * token_bytes, block_size=block)
-    try:
-        assert not engine.runner.layout.is_quantized
-        prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
-        first = await run(engine, prompt, session="a", max_tokens=6, ignore_eos=True)
-        transcript = prompt + first.token_ids
-        if tiers.shared is not None:
-            tiers.shared.flush()
-        for i, text in enumerate(["Paris is the capital of France;", "Numbers 0123456789 and symbols !?."] * 2):
-            await run(engine, words(tiny, text * 2), session=f"other{i}", max_tokens=4, ignore_eos=True)
-        tiers.flush_pending()
-        turn2 = transcript + words(tiny, " Hello world")
-        kept = engine.offloader.fetch(SessionKey("default", "a"), turn2)  # what the tier holds, as it holds it
-        assert kept is not None
-        assert kept.layout.kv_dtype == torch.int8
-        assert kept.k[0].dtype == torch.int8
-        second = await run(engine, turn2, session="a", max_tokens=5, ignore_eos=True)
-        assert second.admitted.source == tier
-        num_restored = second.admitted.num_cached
-        assert num_restored >= (len(transcript) - 1) // block * block  # Redis keeps full blocks only
-        computed = await run(fresh, turn2, session="ref", max_tokens=5, ignore_eos=True)
-        assert computed.admitted.num_cached == 0
-        restored, exact = pool_kv(engine, turn2[:num_restored]), pool_kv(fresh, turn2[:num_restored])
-        # Restored into the pool's dtype: each row is its int8 rounding (within half a step of its own scale)
-        step = exact.abs().amax(-1, keepdim=True) / 127
-        assert ((restored - exact).abs() <= step / 2 + 1e-6).all()
-        assert not torch.equal(restored, exact)
-    finally:
-        engine.stop()
-        fresh.stop()
-        tiers.close()
-        if tiers.shared is not None:
-            tiers.shared.close()
-        if redis is not None:
-            redis.stop()
+    with tiers_below(tier, tmp_path, block, TierFormats(**{tier: "int8"})) as tiers:
+        engine = make_engine(tiny, tiers=tiers, budget_bytes=24 * block * token_bytes, block_size=block)
+        fresh = make_engine(tiny, budget_bytes=256 * block * token_bytes, block_size=block)
+        try:
+            assert not engine.runner.layout.is_quantized
+            prompt = words(tiny, "The quick brown fox jumps over the lazy dog. Sessions keep their cache.")
+            first = await run(engine, prompt, session="a", max_tokens=6, ignore_eos=True)
+            transcript = prompt + first.token_ids
+            if tiers.shared is not None:
+                tiers.shared.flush()
+            await fill_the_pool(engine, tiny)
+            tiers.flush_pending()
+            turn2 = transcript + words(tiny, " Hello world")
+            kept = engine.offloader.fetch(SessionKey("default", "a"), turn2)  # what the tier holds, as it holds it
+            assert kept is not None
+            assert kept.layout.kv_dtype == torch.int8
+            assert kept.k[0].dtype == torch.int8
+            second = await run(engine, turn2, session="a", max_tokens=5, ignore_eos=True)
+            assert second.admitted.source == tier
+            num_restored = second.admitted.num_cached
+            assert num_restored >= (len(transcript) - 1) // block * block  # Redis keeps full blocks only
+            computed = await run(fresh, turn2, session="ref", max_tokens=5, ignore_eos=True)
+            assert computed.admitted.num_cached == 0
+            restored, exact = pool_kv(engine, turn2[:num_restored]), pool_kv(fresh, turn2[:num_restored])
+            # Restored into the pool's dtype: each row is its int8 rounding (within half a step of its own scale)
+            step = exact.abs().amax(-1, keepdim=True) / 127
+            assert ((restored - exact).abs() <= step / 2 + 1e-6).all()
+            assert not torch.equal(restored, exact)
+        finally:
+            engine.stop()
+            fresh.stop()
 
 
 def test_a_read_from_a_disk_in_8_bits_going_on_from_redis_in_the_pool_s_format_converts_both_to_the_pool_s(
