@@ -1,6 +1,7 @@
 """What a tier keeping K/V in fewer bits than the pool costs: cached-vs-recomputed agreement per tier K/V dtype.
 
-python bench/tier_quality.py --corpus FILE [--model ID_OR_SOURCE] [--dtype float32] [--turns 96] [--no-docs]
+python bench/tier_quality.py --corpus FILE [--model ID_OR_SOURCE] [--dtype float32] [--turns 96] [--kv int8,fp8]
+    [--deterministic] [--no-docs]
 
 Each of --turns passages of the corpus (--prompt tokens, from evenly spread offsets) is a two-turn session
 on the engine (the real pool, tiers and restore path), with the pool in the compute dtype and the disk tier
@@ -101,11 +102,12 @@ async def afresh(engine: Engine, prompts: list[list[int]], num_new: int) -> list
     return out
 
 
-def engine_for(loaded: LoadedModel, tiers: TierStore, longest: int) -> Engine:
+def engine_for(loaded: LoadedModel, tiers: TierStore, longest: int, deterministic: bool) -> Engine:
     token_bytes = KVLayout.of(loaded.model.config, loaded.dtype).bytes_per_token
     budget = 2 * AT_ONCE * (longest + 64) * token_bytes
     store = SessionStore(ttl_s=3600, forgetters=(tiers,))
-    engine = Engine(loaded, store, tiers, EngineConfig(budget_bytes=budget, block_size=16, kv_dtype="compute"))
+    config = EngineConfig(budget_bytes=budget, block_size=16, kv_dtype="compute", deterministic=deterministic)
+    engine = Engine(loaded, store, tiers, config)
     engine.start()
     return engine
 
@@ -127,10 +129,10 @@ def measure(args, text: str) -> dict:
     passages = [ids[i * span // args.turns : i * span // args.turns + args.prompt] for i in range(args.turns)]
     result: dict = {"model": loaded.spec.id, "dtype": str(loaded.dtype).removeprefix("torch."), "tiers": {}}
     turns: dict[str, list[list[int]]] = {}
-    for name in ("pool", *args.kv.split(",")):
+    for name in ("pool", *filter(None, args.kv.split(","))):
         with tempfile.TemporaryDirectory() as directory:
             tiers = TierStore(0, 1 << 40, Path(directory), 16, TierFormats(disk=name))
-            engine = engine_for(loaded, tiers, args.prompt + 1)
+            engine = engine_for(loaded, tiers, args.prompt + 1, args.deterministic)
             try:
                 turns[name] = asyncio.run(sessions(engine, tiers, passages, args.cut, args.new))
             finally:
@@ -138,7 +140,7 @@ def measure(args, text: str) -> dict:
                 tiers.close()
     # Turn one is computed in the compute dtype, one token greedy, in every run: turn two's prompts are the same in
     # all of them. They are computed afresh, with no cache, on an engine of their own.
-    engine = engine_for(loaded, TierStore(0, 0, None, 16), args.prompt + 1)
+    engine = engine_for(loaded, TierStore(0, 0, None, 16), args.prompt + 1, args.deterministic)
     try:
 
         async def afresh_turns() -> list[list[int]]:
@@ -159,7 +161,9 @@ def report(result: dict, args, corpus: str) -> str:
     lines = [
         "## K/V kept in fewer bits below the pool: what a restore costs",
         "",
-        f"`python bench/tier_quality.py --corpus {corpus} --dtype {args.dtype} --turns {args.turns}` "
+        f"`python bench/tier_quality.py --corpus {corpus} --dtype {args.dtype} --turns {args.turns}"
+        + (" --deterministic" if args.deterministic else "")
+        + "` "
         f"({machine_line()}). {args.turns} two-turn sessions on {result['model']} ({result['dtype']} pool): turn "
         f"one is a passage's first {args.cut} tokens, then its K/V goes to the disk tier in that tier's K/V dtype "
         f"and leaves the pool; turn two (the transcript and the passage's other {args.prompt - args.cut} tokens, "
@@ -179,11 +183,12 @@ def main() -> None:
     parser.add_argument("--corpus", required=True, help="a UTF-8 text file (e.g. one shipped in a package)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="float32", help="the pool's (compute) dtype")
-    parser.add_argument("--kv", default="int8,fp8")
     parser.add_argument("--turns", type=int, default=96)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--cut", type=int, default=192, help="turn one's tokens: what the tier holds")
     parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--kv", default="int8,fp8", help="the disk tier's K/V dtypes besides the pool's (may be empty)")
+    parser.add_argument("--deterministic", action="store_true", help="the engines in deterministic mode")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args()
     torch.set_grad_enabled(False)

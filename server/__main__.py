@@ -27,6 +27,7 @@ OPTIONS = {  # flag -> Settings field; absent flags keep the environment's or th
     "--prefix-caching": "prefix_caching",
     "--compile": "compile",
     "--kv-dtype": "kv_dtype",
+    "--deterministic": "deterministic",
     "--session-ttl-s": "session_ttl_s",
     "--default-max-tokens": "default_max_tokens",
     "--request-timeout-s": "request_timeout_s",

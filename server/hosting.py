@@ -183,8 +183,18 @@ class ModelHost:
             budget = default_kv_budget(loaded.device.type, free, _total_ram())
         compile_dir = str(s.cache_dir) if s.compile else None
         kv_dtype = loaded.spec.kv_dtype or s.kv_dtype
+        deterministic = s.deterministic
+        if deterministic == "auto":  # on where the model computes in 16 bits (bf16, fp16)
+            deterministic = loaded.dtype.itemsize == 2
         return EngineConfig(
-            budget, s.block_size, s.max_batch_tokens, s.max_queue, s.prefix_caching, compile_dir, kv_dtype
+            budget,
+            s.block_size,
+            s.max_batch_tokens,
+            s.max_queue,
+            s.prefix_caching,
+            compile_dir,
+            kv_dtype,
+            deterministic,
         )
 
 

@@ -41,6 +41,13 @@ class Settings(BaseSettings):
         "dtype), int8 or fp8 (e4m3: 8 bits with a scale per token and kv head, about half the bytes of bf16); auto: "
         "the compute dtype (docs/benchmarks.md, 'Quantized K/V', measures what the 8-bit ones cost)",
     )
+    deterministic: Literal["auto"] | bool = Field(
+        "auto",
+        description="true: a greedy or seeded turn's tokens do not depend on what was cached, where the prompt was "
+        "cut into chunks or which rows shared a step (docs/architecture.md, 'Deterministic mode'); auto: true for "
+        "models computing in bf16 or fp16, where rounding made the cache change answers, false in fp32, where it "
+        "did not and the mode costs most (docs/benchmarks.md)",
+    )
     compile: bool = Field(
         False,
         description="compile each CPU model's dense part with torch.compile at start (a minute or two the first "

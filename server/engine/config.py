@@ -14,3 +14,4 @@ class EngineConfig:
     is_prefix_caching: bool = True  # share and keep K/V blocks by prefix
     compile_dir: str | None = None  # compile the model (CPU), its artifacts kept here; None: eager
     kv_dtype: str = "auto"  # how the pool stores K/V: auto | compute | int8 | fp8 (server/kv/pool.py)
+    deterministic: bool = False  # a token's K/V and logits independent of batch, chunks and cache (model_runner)

@@ -40,7 +40,9 @@ class Engine:
     def __init__(self, loaded: LoadedModel, store: SessionStore, tiers: TierStore, config: EngineConfig) -> None:
         self.loaded, self.model_id, self.store, self.config = loaded, loaded.spec.id, store, config
         kv_dtype = stored_dtype(config.kv_dtype, loaded.dtype, loaded.device)
-        self.runner = ModelRunner(loaded, config.budget_bytes, config.block_size, config.compile_dir, kv_dtype)
+        self.runner = ModelRunner(
+            loaded, config.budget_bytes, config.block_size, config.compile_dir, kv_dtype, config.deterministic
+        )
         self.fingerprint = self.runner.fingerprint
         self.token_bytes = self.runner.layout.bytes_per_token
         self.block_bytes = self.token_bytes * config.block_size

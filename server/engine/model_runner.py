@@ -38,6 +38,7 @@ from server.kv.routing import HEAD, KERNEL, SDPA, LoneRowRoute, time_lone_row, t
 from server.kv.snapshot import Snapshot
 from server.models.digest import ModelDigests
 from server.models.loader import LoadedModel
+from server.models.packed_linear import batch_invariance, pad_rows
 
 log = logging.getLogger("kvserve.engine")
 
@@ -77,8 +78,10 @@ class ModelRunner:
         block_size: int,
         compile_dir: str | None = None,
         kv_dtype: torch.dtype | None = None,
+        deterministic: bool = False,
     ) -> None:
-        """`kv_dtype`: the quantized format the pool stores K/V in (None: the compute dtype)."""
+        """`kv_dtype`: the quantized format the pool stores K/V in (None: the compute dtype); `deterministic`: make
+        a token's K/V and logits independent of the step it is computed in (`_deterministic`)."""
         self.model = loaded.model
         self.device = loaded.device
         self.layout = KVLayout.of(loaded.model.config, loaded.dtype, kv_dtype)
@@ -95,9 +98,16 @@ class ModelRunner:
         # would dequantize whole contexts first), and prefill chunks attend over their dequantized context.
         quantized = self.layout.is_quantized
         plain_layers = not {"sliding_window", "softcap"} & attention_inputs(loaded.model)
-        self.uses_heads = self.uses_kernel and not quantized and plain_layers
-        self.lone_rows = KERNEL if self.uses_kernel and quantized else SDPA  # a lone long decode row's way
-        if self.uses_kernel and not quantized:  # timed where there is a choice
+        serves_prefill = self.uses_kernel and kernels.paged_prefill_available(self.layout.dtype, self.layout.head_dim)
+        self.deterministic, self.deterministic_detail = False, "off"
+        self.prefill_kernel = False
+        if deterministic:
+            self._deterministic(loaded, serves_prefill and plain_layers and not quantized)
+        else:
+            pad_rows(loaded.model, 1)
+        self.uses_heads = self.uses_kernel and not quantized and plain_layers and not self.deterministic
+        self.lone_rows = KERNEL if self.uses_kernel and (quantized or self.deterministic) else SDPA  # a long row's way
+        if self.uses_kernel and not quantized and not self.deterministic:  # timed where there is a choice
             text = loaded.model.config.get_text_config(decoder=True)
             route: LoneRowRoute = time_lone_row(self.pool, int(text.num_attention_heads))
             self.lone_rows = (
@@ -107,14 +117,13 @@ class ModelRunner:
             )
             log.info("model %s: %s", loaded.spec.id, route.describe)
         # Prefill chunks: the paged prefill kernel where it serves this pool and was timed faster than SDPA (layers
-        # without window or softcap, as for heads).
-        self.prefill_kernel = False
-        if quantized and self.uses_kernel and plain_layers:
+        # without window or softcap, as for heads); deterministic mode has chosen already.
+        if quantized and serves_prefill and plain_layers and not self.deterministic:
             # Over a quantized pool the alternative is SDPA with a mask over the dequantized context: 65 ms a layer
             # for a 1,024-token chunk here; with the kernel (over a dequantized copy of the chunk's blocks) a
             # 2,000-token prefill took 1.8 s against 3.6 s
-            self.prefill_kernel = kernels.paged_prefill_available(self.layout.dtype, self.layout.head_dim)
-        elif self.uses_heads and kernels.paged_prefill_available(self.layout.dtype, self.layout.head_dim):
+            self.prefill_kernel = True
+        elif self.uses_heads and serves_prefill:
             text = loaded.model.config.get_text_config(decoder=True)
             prefill = time_prefill(self.pool, int(text.num_attention_heads))
             self.prefill_kernel = prefill.way == KERNEL
@@ -122,7 +131,31 @@ class ModelRunner:
         # Heads the kernel reads keep their layout across steps (within a quarter of the pool, at most 256 MiB).
         self.head_layouts = HeadLayouts.for_pool(self.layout, block_size, self.pool.nbytes)
         install(loaded.model)
+        if compile_dir is not None and self.deterministic:
+            log.info("model %s: not compiled: inductor's kernels are not batch-invariant", loaded.spec.id)
+            compile_dir = None
         self.compiled = _compiled(loaded, compile_dir) if compile_dir is not None else None
+
+    def _deterministic(self, loaded: LoadedModel, by_prefill_kernel: bool) -> None:
+        """Deterministic mode: a token's K/V and logits depend on its tokens alone, not on the step's other rows,
+        where its prompt was cut into chunks or which K/V was cached (docs/architecture.md). Every token's
+        attention, decode rows' included, is computed by one kernel, in one order that depends on its position
+        only: the paged prefill kernel where it serves this pool (`by_prefill_kernel`: a decode row is a span of
+        one token), else the paged decode kernel (a prefill chunk is one row per token); no cascade head, no
+        SDPA, no timed choice. The linear layers are made batch-invariant as measured (`batch_invariance`)."""
+        name = loaded.spec.id
+        ways = batch_invariance(loaded.model) if self.uses_kernel else None
+        if ways is None:
+            why = "needs the paged kernel" if not self.uses_kernel else "its linear layers are not batch-invariant"
+            self.deterministic_detail = f"unavailable: {why} on {loaded.device.type} in {loaded.dtype}"
+            log.warning("model %s: deterministic mode %s", name, self.deterministic_detail)
+            pad_rows(loaded.model, 1)
+            return
+        self.deterministic, self.prefill_kernel = True, by_prefill_kernel
+        kernel = "the prefill kernel" if by_prefill_kernel else "the decode kernel"
+        products = ", ".join(f"{n} {way}" for way, n in ways.items())
+        self.deterministic_detail = f"on: attention by {kernel}, linear products {products}"
+        log.info("model %s: deterministic mode %s", name, self.deterministic_detail)
 
     def run(self, rows: list[Row]) -> torch.Tensor:
         """One forward pass over the rows; logits [R, V] for the rows that sample, in row order."""
@@ -166,7 +199,12 @@ class ModelRunner:
             end = start + len(row.token_ids)
             table = [b.block_id for b in row.seq.blocks]
             slots += self.pool.slot_ids(table, start, end)
-            if self.uses_kernel and len(row.token_ids) == 1:
+            if self.deterministic and self.prefill_kernel:  # every row a span, a decode row one of one token
+                chunks.append((len(ids), len(row.token_ids), end, table))
+            elif self.deterministic:  # every token a decode kernel row over its own keys
+                at = len(ids) - start
+                kernel_rows += [DecodeRow(at + p, table, p + 1, row.seq.blocks) for p in range(start, end)]
+            elif self.uses_kernel and len(row.token_ids) == 1:
                 decode_row = DecodeRow(len(ids), table, end, row.seq.blocks)
                 (kernel_rows if end <= KERNEL_MAX_CONTEXT else long_rows).append(decode_row)
             elif self.prefill_kernel and len(row.token_ids) > 1:

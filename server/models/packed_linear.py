@@ -32,6 +32,8 @@ from torch import nn
 
 log = logging.getLogger("kvserve.registry")
 ROWS_HINT = 1  # the layout oneDNN picks for this many rows; it serves any number of rows
+ROW_TILE = 16  # deterministic mode, where a product's rows depend on how many there are: padded to a multiple
+PROBE_ROWS = (1, 2, 3, 5, 8, 16, 17, 33, 64, 70)  # step sizes the batch-invariance probe compares
 _LAYERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()  # by handle, while alive
 
 
@@ -42,6 +44,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
+        self.dtype = weight.dtype
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT), persistent=False)
         self.bias = linear.bias
         self.name = name
@@ -57,9 +60,23 @@ class PackedLinear(nn.Module):
         clone.handle = _register(clone, self.name)
         return clone
 
+    row_multiple = 1  # deterministic mode: the rows padded to a multiple of this (`batch_invariance`)
+    per_tile = False  # and multiplied row_multiple rows a call
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.out_features)
+        rows, tile = x.shape[-2], self.row_multiple
+        pad = -rows % tile
+        if pad:
+            x = torch.cat([x, x.new_zeros((*x.shape[:-2], pad, x.shape[-1]))], -2)
+        if self.per_tile and x.shape[-2] > tile:
+            out = torch.cat([self._product(part) for part in x.split(tile, -2)], -2)
+        else:
+            out = self._product(x)
+        return out[..., :rows, :] if pad else out
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
 
 
@@ -88,6 +105,58 @@ def can_pack(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+def batch_invariance(model: nn.Module) -> dict[str, int] | None:
+    """Make the model's packed products batch-invariant (a row's result the same whatever rows share its call,
+    and wherever it sits among them), as measured here. oneDNN picks its kernel by the number of rows, and two
+    kernels may sum a row in different orders (on a 2-core AVX512 EPYC: bf16 down projections, K = 1,536,
+    one row against several; fp32 everywhere). A difference shows only where it crosses a rounding boundary,
+    so every layer is probed, with 70 random rows: at PROBE_ROWS sizes and shifted, against all 70 at once and
+    against rows alone. Each layer shape takes the cheapest way that holds for all its layers: as they are;
+    rows padded to a multiple of ROW_TILE; or ROW_TILE rows a call (one kernel for every call). Returns how
+    many layers take each way, or None (every layer left as it comes) when a shape has none, or when the
+    model has linear layers that are not packed."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not layers or any(type(m) is nn.Linear for m in model.modules()):
+        return None
+    shapes: dict[tuple[int, int], list[PackedLinear]] = {}
+    for layer in layers:
+        shapes.setdefault((layer.in_features, layer.out_features), []).append(layer)
+    ways = {"as they are": 1, f"rows padded to {ROW_TILE}": ROW_TILE, f"{ROW_TILE} rows a call": -ROW_TILE}
+    taken = dict.fromkeys(ways, 0)
+    for group in shapes.values():
+        way = next((w for w, multiple in ways.items() if all(_invariant(m, multiple) for m in group)), None)
+        if way is None:
+            pad_rows(model, 1)
+            return None
+        for layer in group:
+            layer.row_multiple, layer.per_tile = abs(ways[way]), ways[way] < 0
+        taken[way] += len(group)
+    return {way: n for way, n in taken.items() if n}
+
+
+def _invariant(layer: PackedLinear, multiple: int) -> bool:
+    rows = max(PROBE_ROWS)
+    x = torch.randn((1, rows, layer.in_features), generator=torch.Generator().manual_seed(0)).to(layer.dtype)
+    kept = layer.row_multiple, layer.per_tile
+    layer.row_multiple, layer.per_tile = abs(multiple), multiple < 0
+    try:
+        with torch.inference_mode():
+            whole = layer(x)
+            same = all(torch.equal(layer(x[:, :n]), whole[:, :n]) for n in PROBE_ROWS)
+            same = same and torch.equal(layer(x.roll(37, 1)), whole.roll(37, 1))
+            return same and all(torch.equal(layer(x[:, i : i + 1]), whole[:, i : i + 1]) for i in (4, rows - 1))
+    finally:
+        layer.row_multiple, layer.per_tile = kept
+
+
+def pad_rows(model: nn.Module, multiple: int) -> None:
+    """Every packed layer's rows padded to a multiple of |multiple| (negative: also |multiple| rows a call); 1: as
+    they come (the default; an engine not in deterministic mode sets it back on a model another one changed)."""
+    for layer in model.modules():
+        if isinstance(layer, PackedLinear):
+            layer.row_multiple, layer.per_tile = abs(multiple), multiple < 0
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, key: str = "") -> int:

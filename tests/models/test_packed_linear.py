@@ -11,12 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from server.models import loader
 from server.models.digest import state_dict_digest
 from server.models.loader import load_model
-from server.models.packed_linear import PackedLinear, can_pack, pack_linears
+from server.models.packed_linear import (
+    ROW_TILE,
+    PackedLinear,
+    batch_invariance,
+    can_pack,
+    pack_linears,
+    pad_rows,
+)
 from tests.helpers import make_engine, reference_greedy, run
 from tests.tiny import build_model
 
@@ -140,3 +148,29 @@ def test_a_copied_layer_has_a_handle_of_its_own():
         clone.lm_head.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(300, x.shape[1]), 1)
         assert torch.equal(torch.ops.kvserve.packed_linear(x, clone.lm_head.handle, 300), torch.zeros(2, 300))
         assert torch.equal(torch.ops.kvserve.packed_linear(x, model.lm_head.handle, 300), model.lm_head(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariance_makes_a_rows_product_the_same_whatever_rows_share_its_call(dtype):
+    if not can_pack(nn.Linear(1, 1), torch.device("cpu"), dtype):  # no oneDNN bf16 kernels on this CPU
+        pytest.skip(f"oneDNN does not take {dtype} here")
+    model = nn.Sequential(nn.Linear(96, 160, bias=False), nn.Linear(160, 96)).to(dtype)
+    pack_linears(model, dtype, f"invariance-{dtype}")
+    ways = batch_invariance(model)  # what this CPU needs, measured: how many layers take each way
+    assert ways is not None
+    assert sum(ways.values()) == 2
+    assert set(ways) <= {"as they are", f"rows padded to {ROW_TILE}", f"{ROW_TILE} rows a call"}
+    x = torch.randn(1, 100, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([model(x[:, i : i + 1]) for i in range(100)], 1)
+        for rows in (2, 9, 40, 100):  # sizes the probe did not try, too
+            assert torch.equal(model(x[:, :rows]), alone[:, :rows]), f"{rows} rows"
+        pad_rows(model, 1)
+        assert torch.allclose(model(x), alone, atol=1e-2)  # as they come: the same products up to rounding
+
+
+def test_a_model_with_a_linear_layer_left_unpacked_is_not_made_batch_invariant():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    pack_linears(model, torch.float32, "half")
+    model.append(nn.Linear(8, 8))
+    assert batch_invariance(model) is None
