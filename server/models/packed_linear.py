@@ -18,6 +18,10 @@ layer is the custom op `kvserve::packed_linear`, which inductor calls and never 
 takes the layer's handle (an int) rather than its weight, so the graph holds no mkldnn tensor and
 inductor's cache can keep it across restarts. A handle is derived from the layer's name within its
 model and the model's key, so the same model loaded again gets the same handles (and a cache hit).
+
+In deterministic mode a row's product must not depend on the rows beside it in the call. oneDNN
+picks its kernel by the number of rows, so `batch_invariance` probes every layer at load and pads
+the rows of the shapes where that is needed (engine/model_runner.py, docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ _LAYERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDicti
 class PackedLinear(nn.Module):
     """nn.Linear's forward on a weight packed for oneDNN (bf16 or fp32, CPU)."""
 
+    row_multiple = 1  # deterministic mode: the rows padded to a multiple of this (`batch_invariance`)
+    per_tile = False  # and multiplied row_multiple rows a call
+
     def __init__(self, linear: nn.Linear, name: str = "") -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -59,9 +66,6 @@ class PackedLinear(nn.Module):
             clone.__dict__[key] = copy.deepcopy(value, memo)
         clone.handle = _register(clone, self.name)
         return clone
-
-    row_multiple = 1  # deterministic mode: the rows padded to a multiple of this (`batch_invariance`)
-    per_tile = False  # and multiplied row_multiple rows a call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
