@@ -194,3 +194,24 @@ def test_the_setting_turns_the_mode_on_in_16_bits_by_default_and_the_model_objec
                 detail = client.get(f"/v1/models/{model}").json()["deterministic"]
                 assert detail.startswith("on: attention by the ") if on else detail == "off", (setting, model)
                 assert client.app.state.host.engines[model].runner.deterministic is on
+
+
+@pytest.mark.parametrize("seed", SESSIONS)
+async def test_a_seeded_sampled_turn_from_a_session_draws_the_cold_turn_s_tokens(bf16, seed):
+    ids = prompt(bf16, seed)
+    sampled = {"temperature": 1.5, "seed": 7, "max_tokens": NEW, "ignore_eos": True}
+    e = engine(bf16)
+    try:
+        half = len(ids) // 2
+        first = await run(e, ids[:half], session="s", max_tokens=5, ignore_eos=True)
+        turn2 = ids[:half] + first.token_ids + ids[half:]
+        second = await run(e, turn2, session="s", **sampled)
+        assert second.admitted.num_cached == half + 4
+        alone = engine(bf16)
+        try:
+            cold = await run(alone, turn2, use_cache=False, **sampled)
+        finally:
+            alone.stop()
+        assert second.token_ids == cold.token_ids
+    finally:
+        e.stop()
