@@ -44,11 +44,6 @@ class Snapshot:
     origin: str = "host"  # the tier it was read from: host | disk | shared
 
     @property
-    def fingerprint(self) -> str:
-        """The K/V fingerprint of its stored form (its blocks' addresses)."""
-        return self.layout.fingerprint(self.digests)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
