@@ -17,6 +17,7 @@ import torch
 from server.kv import offload
 from server.kv.blocks import BlockManager
 from server.kv.offload import Offloader
+from server.kv.pool import KVLayout, KVPool
 from server.kv.snapshot import Snapshot
 from server.kv.tiers import TierStore
 from server.sessions.journal import Journal
@@ -244,6 +245,27 @@ def test_forgetting_a_session_never_drops_a_block_of_another():
     Offloader(None, manager, store, TierStore(0, 0, None, block_size=4), "m", "fp").discard_forgotten()  # type: ignore[arg-type]
     # `gone`'s own second block was never there: the partially matching block is `kept`'s, and stays
     assert manager.match("default", kept, 6).num_tokens == 6
+
+
+@pytest.mark.parametrize("pool_kv_dtype", [None, torch.int8], ids=["compute", "int8"])
+def test_a_snapshot_fits_the_pool_when_this_model_computed_it_as_the_pool_does_however_it_is_stored(pool_kv_dtype):
+    """What the scheduler asks before it restores a snapshot: another model's K/V, or K/V computed in another dtype
+    or shape, would be restored as garbage; a copy a tier keeps in 8 bits (or a pool that keeps 8 bits, a copy in
+    the compute dtype) is converted on the way in."""
+    computed = KVLayout(2, 2, 16, torch.float32)
+    pool = KVPool(dataclasses.replace(computed, kv_dtype=pool_kv_dtype), 4, BLOCK, torch.device("cpu"))
+    tiers = TierStore(0, 0, None, block_size=BLOCK)
+    offloader = Offloader(pool, BlockManager(4, BLOCK), SessionStore(ttl_s=3600), tiers, "m", "fp")
+
+    def snapshot(layout: KVLayout, digests: str = "fp") -> Snapshot:
+        return Snapshot(SessionKey("default", "s"), "m", layout, digests, [1, 2, 3], [], [])  # tensors never read
+
+    for stored in ("pool", "int8", "fp8"):
+        assert offloader.fits(snapshot(computed.stored_as(stored)))
+    assert not offloader.fits(snapshot(computed, digests="another model"))
+    assert not offloader.fits(snapshot(dataclasses.replace(computed, dtype=torch.float64)))
+    assert not offloader.fits(snapshot(dataclasses.replace(computed, dtype=torch.float64, kv_dtype=torch.int8)))
+    assert not offloader.fits(snapshot(dataclasses.replace(computed, num_kv_heads=1)))
 
 
 async def test_a_snapshot_of_another_dtype_is_recomputed_not_misread(tiny, tmp_path, caplog):

@@ -386,3 +386,58 @@ def test_a_read_from_a_disk_in_8_bits_going_on_from_redis_in_the_pool_s_format_c
         tiers.shared.close()
         tiers.close()
         server.stop()
+
+
+def test_a_read_from_a_disk_in_the_pool_s_format_going_on_from_redis_in_8_bits_is_in_the_pool_s_format(tmp_path):
+    """The other way round: the blocks Redis keeps in int8 are converted to the pool's format too, and the snapshot
+    says so (restored as int8 rows, float32 values would be read as bytes)."""
+    from server.kv.redis_blocks import RedisBlocks
+    from tests.e2e.redis_server import Redis
+
+    server = Redis(tmp_path)
+    layout, key, ids = KVLayout(2, 2, 8, torch.float32), SessionKey("t", "a"), list(range(16))
+    k = [rows_of(2, 16, 8, seed).float() for seed in (1, 2)]
+    v = [rows_of(2, 16, 8, seed).float() for seed in (3, 4)]
+    tiers = TierStore(0, 1 << 30, tmp_path / "kv", 4, TierFormats(shared="int8"))
+    tiers.shared = BlockStore(RedisBlocks(server.url), "shared")
+    try:
+        tiers.put(Snapshot(key, "m", layout, "", ids[:8], [t[:, :8] for t in k], [t[:, :8] for t in v]))
+        tiers.flush_pending()
+        int8 = layout.stored_as("int8")
+        quantized = [quantize(t, torch.int8) for t in k], [quantize(t, torch.int8) for t in v]
+        tiers.shared.put(WriteJob(addresses(int8.fingerprint(), 4, "t", ids), *quantized, 4))  # as `share` stores them
+        tiers.shared.flush()
+        got = tiers.read(key, [*ids, 99], "m", "", layout)
+        assert got is not None
+        assert (got.token_ids, got.origin, got.layout) == (ids, "shared", layout)
+        for stored, original in zip(got.k + got.v, k + v, strict=True):
+            assert stored.dtype == torch.float32
+            assert torch.equal(stored[:, :8], original[:, :8])  # the disk's two blocks, as they were
+            rounded = dequantize(quantize(original[:, 8:], torch.int8), torch.float32)
+            assert torch.equal(stored[:, 8:], rounded)  # then Redis's, from int8
+    finally:
+        tiers.shared.close()
+        tiers.close()
+        server.stop()
+
+
+def test_a_snapshot_the_disk_already_keeps_in_8_bits_is_not_written_again(tmp_path):
+    """The disk's manifest names the fingerprint of the form it stores (int8), not the snapshot's own (float32): the
+    same snapshot coming down again is still recognised as held, and not encoded and written a second time."""
+    layout, key, ids = KVLayout(2, 2, 8, torch.float32), SessionKey("t", "a"), list(range(10))
+    k = [rows_of(2, 10, 8, seed).float() for seed in (1, 2)]
+    v = [rows_of(2, 10, 8, seed).float() for seed in (3, 4)]
+    snapshot = Snapshot(key, "m", layout, "", ids, k, v)
+    tiers = TierStore(0, 1 << 30, tmp_path, 4, TierFormats(disk="int8"))
+    try:
+        tiers.put(snapshot)  # no host RAM: straight on to the disk
+        tiers.flush_pending()
+        assert tiers.disk is not None
+        assert tiers.disk.holds(snapshot)
+        assert not tiers.disk.holds(Snapshot(key, "m", layout, "other weights", ids, k, v))
+        tiers.put(snapshot)
+        tiers.flush_pending()
+        assert tiers.totals().num_demoted["disk"] == 1
+        assert tiers.disk.store.stats.num_queued == 3  # two full blocks and the tail, once
+    finally:
+        tiers.close()

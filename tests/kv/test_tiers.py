@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
 
 from server.kv.block_store import addresses
 from server.kv.disk_blocks import DiskBlocks
-from server.kv.pool import KVLayout
+from server.kv.pool import KVLayout, quantize
 from server.kv.snapshot import Snapshot
 from server.kv.tiers import TierStore
 from server.sessions.record import SessionKey
@@ -61,6 +62,28 @@ def test_host_overflow_moves_the_least_recent_to_disk_and_use_brings_it_back(tmp
     tiers.flush_pending()
     assert tiers.usage(SessionKey("t", "a")).host_bytes == one  # used: back up in host RAM
     assert tiers.usage(SessionKey("t", "b")).host_bytes == 0  # and b, now the oldest, went down
+    tiers.close()
+
+
+def test_host_ram_gives_a_snapshot_back_only_for_the_model_and_the_k_v_computation_it_came_from():
+    """One host tier serves every model: a snapshot of another model, other weights, or K/V computed in another
+    dtype or shape would be restored as garbage. How it is stored does not matter (8 bits are converted back)."""
+    tiers = TierStore(1 << 30, 0, None, block_size=BS)
+    key, quantized = SessionKey("t", "a"), SessionKey("t", "q")
+    plain = make("a")
+    plain.digests = "weights"
+    k, v = [quantize(t, torch.int8) for t in plain.k], [quantize(t, torch.int8) for t in plain.v]
+    in_8_bits = Snapshot(quantized, "m", LAYOUT.stored_as("int8"), "weights", plain.token_ids, k, v)
+    tiers.put(plain)
+    tiers.put(in_8_bits)
+    assert tiers.fetch(key, "m", "weights", LAYOUT) is plain
+    assert tiers.fetch(key, "m", "weights", LAYOUT.stored_as("int8")) is plain  # an int8 pool computing in float32
+    assert tiers.fetch(quantized, "m", "weights", LAYOUT) is in_8_bits
+    assert tiers.fetch(key, "another model", "weights", LAYOUT) is None
+    assert tiers.fetch(key, "m", "other weights", LAYOUT) is None
+    assert tiers.fetch(key, "m", "weights", replace(LAYOUT, dtype=torch.float64)) is None
+    assert tiers.fetch(quantized, "m", "weights", replace(LAYOUT, dtype=torch.float64, kv_dtype=torch.int8)) is None
+    assert tiers.fetch(key, "m", "weights", replace(LAYOUT, head_dim=8)) is None
     tiers.close()
 
 
