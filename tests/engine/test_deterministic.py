@@ -18,8 +18,10 @@ import random
 import pytest
 import torch
 
+from server.engine import model_runner
 from server.kv import kernels
 from server.kv.pool import KVLayout
+from server.models.packed_linear import ROW_TILE, PackedLinear, pad_rows
 from tests.helpers import make_engine, run, tiers_below
 
 CHUNKS = [46, 1]  # differed with the prompt prefilled in chunks of 7
@@ -55,21 +57,45 @@ async def cold(loaded, ids: list[int]) -> list[int]:
         fresh.stop()
 
 
-def test_the_mode_is_on_and_every_row_takes_one_kernel(bf16):
-    e = engine(bf16)
+def laid_out(runner, monkeypatch) -> list[tuple[list[int], int, int, int]]:
+    """Each step as the runner lays it out: (its rows' tokens, SDPA spans, decode kernel rows, prefill kernel spans)."""
+    steps: list[tuple[list[int], int, int, int]] = []
+    prepare = runner._prepare
+
+    def spy(rows):
+        meta, *rest = prepare(rows)
+        decode = 0 if meta.decode is None else len(meta.decode.rows)
+        prefill = 0 if meta.prefill is None else len(meta.prefill.q_lens)
+        steps.append(([len(r.token_ids) for r in rows], len(meta.spans), decode, prefill))
+        return (meta, *rest)
+
+    monkeypatch.setattr(runner, "_prepare", spy)
+    return steps
+
+
+async def test_the_mode_is_on_and_every_row_takes_one_kernel(bf16, monkeypatch):
+    e = engine(bf16, max_batch_tokens=16)
+    steps = laid_out(e.runner, monkeypatch)
     try:
         assert e.runner.deterministic
         assert e.runner.deterministic_detail.startswith("on: attention by the ")
         assert not e.runner.uses_heads
         assert e.runner.prefill_kernel == kernels.paged_prefill_available(torch.bfloat16, 64)
+        # one prompt decodes while the other is prefilled in chunks: steps with a one-token row beside a chunk
+        turns = [run(e, prompt(bf16, seed), rid=f"r{seed}", max_tokens=6, ignore_eos=True) for seed in (3, 4)]
+        await asyncio.gather(*turns)
     finally:
         e.stop()
+    assert any(1 in rows and max(rows) > 1 for rows, *_ in steps)
+    for rows, spans, decode, prefill in steps:  # a decode row too: a span of one token, or one kernel row
+        assert (spans, decode, prefill) == ((0, 0, len(rows)) if e.runner.prefill_kernel else (0, sum(rows), 0))
 
 
 async def test_without_the_prefill_kernel_every_token_is_a_decode_kernel_row_and_the_ids_hold(bf16, monkeypatch):
     monkeypatch.setattr(kernels, "paged_prefill_available", lambda dtype, head_dim: False)
     ids = prompt(bf16, SESSIONS[0])
     e = engine(bf16, max_batch_tokens=16)
+    steps = laid_out(e.runner, monkeypatch)
     try:
         assert e.runner.deterministic
         assert not e.runner.prefill_kernel
@@ -83,6 +109,61 @@ async def test_without_the_prefill_kernel_every_token_is_a_decode_kernel_row_and
         finally:
             alone.stop()
         assert second.token_ids == cold.token_ids
+    finally:
+        e.stop()
+    # the seed's near-tie may not show on this CPU: a prompt's chunk is decode kernel rows, token by token
+    assert any(max(rows) > 1 for rows, *_ in steps)
+    assert all((spans, decode, prefill) == (0, sum(rows), 0) for rows, spans, decode, prefill in steps)
+
+
+def test_an_8_bit_pool_is_read_by_the_decode_kernel(bf16):
+    # there a decode row would be a prefill span, and the prefill kernel reads a dequantized copy of its blocks
+    e = engine(bf16, kv_dtype="int8")
+    try:
+        assert e.runner.deterministic
+        assert not e.runner.prefill_kernel
+        assert e.runner.deterministic_detail.startswith("on: attention by the decode kernel")
+    finally:
+        e.stop()
+
+
+def test_compiling_is_left_off_in_the_mode(bf16, monkeypatch, tmp_path):
+    # inductor's generated kernels vectorize by shape; compiling for real takes a minute: a stand-in records it
+    asked: list[str] = []
+    monkeypatch.setattr(model_runner, "_compiled", lambda loaded, cache_dir: asked.append(cache_dir))
+    for on in (True, False):
+        e = make_engine(bf16, budget_bytes=BUDGET, compile_dir=str(tmp_path), deterministic=on)
+        try:
+            assert e.runner.deterministic is on
+            assert e.runner.compiled is None
+        finally:
+            e.stop()
+    assert asked == [str(tmp_path)]  # the engine out of the mode only
+
+
+@pytest.mark.parametrize(
+    ("case", "detail"),
+    [
+        ("no paged kernel", "unavailable: needs the paged kernel on cpu in torch.bfloat16"),
+        ("layers not invariant", "unavailable: its linear layers are not batch-invariant on cpu in torch.bfloat16"),
+        ("mode off", "off"),
+    ],
+)
+def test_an_engine_out_of_the_mode_says_why_and_leaves_the_layers_taking_rows_as_they_come(
+    bf16, monkeypatch, case, detail
+):
+    if case == "no paged kernel":
+        monkeypatch.setattr(kernels, "paged_decode_available", lambda: False)
+    elif case == "layers not invariant":
+        monkeypatch.setattr(model_runner, "batch_invariance", lambda model: None)
+    pad_rows(bf16.model, -ROW_TILE)  # as an engine in the mode may have left this model object
+    e = engine(bf16) if case != "mode off" else make_engine(bf16, budget_bytes=BUDGET, deterministic=False)
+    try:
+        assert not e.runner.deterministic
+        assert e.runner.deterministic_detail == detail
+        layers = [m for m in bf16.model.modules() if isinstance(m, PackedLinear)]
+        assert layers
+        assert all((m.row_multiple, m.per_tile) == (1, False) for m in layers)
     finally:
         e.stop()
 
@@ -194,6 +275,15 @@ def test_the_setting_turns_the_mode_on_in_16_bits_by_default_and_the_model_objec
                 detail = client.get(f"/v1/models/{model}").json()["deterministic"]
                 assert detail.startswith("on: attention by the ") if on else detail == "off", (setting, model)
                 assert client.app.state.host.engines[model].runner.deterministic is on
+
+
+def test_the_flag_sets_the_mode_and_the_default_is_auto(monkeypatch):
+    from server.__main__ import parse
+
+    monkeypatch.delenv("KVSERVE_DETERMINISTIC", raising=False)
+    assert parse(["serve"])[1].deterministic == "auto"  # on in 16 bits, off in fp32 (the test above)
+    assert parse(["serve", "--deterministic", "false"])[1].deterministic is False
+    assert parse(["serve", "--deterministic", "true"])[1].deterministic is True
 
 
 @pytest.mark.parametrize("seed", SESSIONS)

@@ -174,3 +174,79 @@ def test_a_model_with_a_linear_layer_left_unpacked_is_not_made_batch_invariant()
     pack_linears(model, torch.float32, "half")
     model.append(nn.Linear(8, 8))
     assert batch_invariance(model) is None
+
+
+class RowByRow(PackedLinear):
+    """A packed layer that multiplies each row alone, so batch-invariant as it is on any CPU, unless `otherwise`
+    says a row of a call is summed another way (1 added: past any rounding)."""
+
+    def otherwise(self, x: torch.Tensor, place: int) -> bool:
+        return False
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        rows = [PackedLinear._product(self, x[..., i : i + 1, :]) for i in range(x.shape[-2])]
+        return torch.cat([row + 1 if self.otherwise(x, i) else row for i, row in enumerate(rows)], -2)
+
+
+class ByPlace(RowByRow):
+    """A kernel that sums a row by its place in the call (places 8 to 15), whatever the rows beside it."""
+
+    def otherwise(self, x: torch.Tensor, place: int) -> bool:
+        return 8 <= place < 16
+
+
+class OneRowOnSome(RowByRow):
+    """A kernel for one-row calls that sums some rows otherwise (a positive first feature), as a rounding
+    difference shows on some rows only."""
+
+    def otherwise(self, x: torch.Tensor, place: int) -> bool:
+        return x.shape[-2] == 1 and bool(x[..., 0, 0] > 0)
+
+
+def test_a_shape_one_of_whose_layers_sums_rows_by_their_place_leaves_every_layer_taking_rows_as_they_come():
+    # Every way fails for ByPlace, and only the probe's shifted rows show it: row i alone, the first n rows and the
+    # rows in the whole call all sit where they did. Its shape's other layer holds as it is, and is probed too.
+    model = nn.Sequential(
+        RowByRow(nn.Linear(64, 96), "place:0"), RowByRow(nn.Linear(96, 96), "place:1"), ByPlace(nn.Linear(96, 96))
+    )
+    pad_rows(model, -ROW_TILE)  # as an engine in the mode may have left them
+    assert batch_invariance(model) is None
+    assert [(m.row_multiple, m.per_tile) for m in model] == [(1, False)] * 3
+
+
+def test_a_layer_whose_one_row_calls_sum_some_rows_otherwise_gets_its_rows_padded():
+    # The probe's first row has a negative first feature: only the rows it also tries alone (the 5th, the last) show
+    # the one-row kernel. Padded to 16 rows, a row alone is no one-row call.
+    model = nn.Sequential(OneRowOnSome(nn.Linear(96, 64), "one-row:0"), RowByRow(nn.Linear(64, 96), "one-row:1"))
+    assert batch_invariance(model) == {"as they are": 1, f"rows padded to {ROW_TILE}": 1}
+    assert [(m.row_multiple, m.per_tile) for m in model] == [(ROW_TILE, False), (1, False)]
+    x = torch.randn(1, 40, 96, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        alone = torch.cat([model(x[:, i : i + 1]) for i in range(40)], 1)
+        assert torch.equal(model(x), alone)
+
+
+def test_padded_rows_go_as_one_call_or_a_tile_a_call_and_only_the_rows_given_come_back():
+    linear = nn.Linear(96, 64)
+    layer = PackedLinear(linear, "tiles")
+    calls: list[int] = []
+    product = layer._product
+    layer._product = lambda x: calls.append(x.shape[-2]) or product(x)
+    x = torch.randn(1, 40, 96, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        expected = linear(x)
+        for multiple, rows, sizes in (
+            (1, 40, [40]),
+            (ROW_TILE, 5, [16]),
+            (ROW_TILE, 32, [32]),
+            (ROW_TILE, 40, [48]),
+            (-ROW_TILE, 16, [16]),
+            (-ROW_TILE, 40, [16, 16, 16]),
+            (1, 40, [40]),  # set back: one call of the rows as they come
+        ):
+            pad_rows(layer, multiple)
+            calls.clear()
+            got = layer(x[:, :rows])
+            assert calls == sizes, (multiple, rows)
+            assert got.shape == (1, rows, 64)
+            assert torch.allclose(got, expected[:, :rows], atol=1e-5), (multiple, rows)
