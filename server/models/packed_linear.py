@@ -114,10 +114,10 @@ def can_pack(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool
 def batch_invariance(model: nn.Module) -> dict[str, int] | None:
     """Make the model's packed products batch-invariant (a row's result the same whatever rows share its call,
     and wherever it sits among them), as measured here. oneDNN picks its kernel by the number of rows, and two
-    kernels may sum a row in different orders (on a 2-core AVX512 EPYC: bf16 down projections, K = 1,536,
-    one row against several; fp32 everywhere). A difference shows only where it crosses a rounding boundary,
-    so every layer is probed, with 70 random rows: at PROBE_ROWS sizes and shifted, against all 70 at once and
-    against rows alone. Each layer shape takes the cheapest way that holds for all its layers: as they are;
+    kernels may sum a row in different orders (on a 2-core AVX512 EPYC: bf16 down projections, K = 1,536, a
+    row alone or elsewhere in the call; fp32 everywhere). A difference shows only where it crosses a rounding
+    boundary, so every layer is probed, with 70 random rows: at PROBE_ROWS sizes and shifted, against all 70 at
+    once and against rows alone. Each layer shape takes the cheapest way that holds for all its layers: as they are;
     rows padded to a multiple of ROW_TILE; or ROW_TILE rows a call (one kernel for every call). Returns how
     many layers take each way, or None (every layer left as it comes) when a shape has none, or when the
     model has linear layers that are not packed."""
