@@ -31,9 +31,17 @@ def test_every_imported_package_is_a_declared_dependency():
                 imported.update(alias.name.split(".")[0] for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 imported.add(node.module.split(".")[0])
-    third_party = (
-        imported - set(sys.stdlib_module_names) - {"server", "__future__", "tomli"}
-    )  # tomli: 3.10 only, declared with its marker
+    # tomllib is stdlib from 3.11 (3.10's sys.stdlib_module_names lacks it); tomli: 3.10 only, declared with its marker
+    third_party = imported - set(sys.stdlib_module_names) - {"server", "__future__", "tomllib", "tomli"}
     distributions = packages_distributions()
     missing = sorted(m for m in third_party if not names & {normalized(d) for d in distributions.get(m, [m])})
     assert not missing, f"imported by server/ but not declared in pyproject.toml: {missing}"
+
+
+def test_lint_checks_the_lowest_python_claimed():
+    """mypy and ruff check the Python that requires-python admits first: what a later one added fails `make lint`."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    lowest = re.fullmatch(r">=\s*3\.(\d+)", pyproject["project"]["requires-python"])
+    assert lowest, pyproject["project"]["requires-python"]
+    assert pyproject["tool"]["mypy"]["python_version"] == f"3.{lowest[1]}"
+    assert pyproject["tool"]["ruff"]["target-version"] == f"py3{lowest[1]}"

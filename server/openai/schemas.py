@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
+from typing_extensions import Self  # typing.Self is Python 3.11's
 
 from server.openai.formats import ResponseFormat, ToolCall, ToolFields
 from server.wire import SESSION_ID_PATTERN, Unused, WireModel, only_kinds, reject_unsupported
