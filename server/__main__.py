@@ -100,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,  # the gate writes one line per request, with its ids
         http=guard.protocol(),
     )
-    _draining_server()(config, app, settings.shutdown_grace_s).run()
+    server = _draining_server()(config, app, settings.shutdown_grace_s)
+    server.run()
+    if server.failures:  # no model loaded: say why and exit non-zero, so an orchestrator restarts the process
+        for reason in server.failures.values():  # each names its model, its source and the cause, on one line
+            print(f"kvserve: {reason}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -114,6 +119,17 @@ def _draining_server():
         def __init__(self, config, app, grace_s: float) -> None:
             super().__init__(config)
             self._app, self._grace_s, self._is_draining = app, grace_s, False
+            self.failures: dict[str, str] = {}  # when every model failed to load: each one's reason
+
+        async def on_tick(self, counter: int) -> bool:
+            """Also stop (the app's shutdown runs as after a signal) once every model has failed to load: a server
+            with nothing to serve would answer /ready 503 and /health 200 for ever, and never be restarted."""
+            host = getattr(self._app.state, "host", None)
+            if host is not None and host.has_failed and not self.should_exit:
+                self.failures = host.failures
+                logging.getLogger("kvserve").error("no model could be loaded: stopping")
+                self.should_exit = True
+            return await super().on_tick(counter)
 
         def handle_exit(self, sig, frame) -> None:
             host = getattr(self._app.state, "host", None)

@@ -1,16 +1,20 @@
 """What an operator meets on day one, with real `kvserve serve` processes on tiny models: replicas started at once
-on one cache directory."""
+on one cache directory, a model that cannot load."""
 
 from __future__ import annotations
 
 import fcntl
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from server.models.convert import gguf_cache_dir, lock_path
-from tests.e2e.server import Server, _kill_leftovers  # noqa: F401 - the fixture is autouse
-from tests.helpers import wait_until
+from tests.e2e.server import Server, _kill_leftovers, spawn  # noqa: F401 - the fixture is autouse
+from tests.helpers import DEADLINE_S, wait_until
 from tests.tiny_gguf import save_tiny_gguf
 
 SMALL_POOL = {"KVSERVE_KV_BUDGET_BYTES": str(16 << 20)}  # not a quarter of RAM per replica
@@ -59,3 +63,55 @@ def test_replicas_started_at_once_on_one_cache_directory_all_serve_the_model_con
         target.name,
         lock_path(target).name,
     ]
+
+
+def broken_gguf(directory: Path) -> Path:
+    path = directory / "broken.gguf"
+    path.write_bytes(b"not a model " * 100)
+    return path
+
+
+def test_a_server_whose_only_model_cannot_load_exits_non_zero_saying_why(tmp_path):
+    """Not /ready 503 and /health 200 for ever, which no orchestrator restarts: it stops, its shutdown runs, and
+    the last line on stderr says which model failed and why."""
+    models = models_file(tmp_path, ("bad", broken_gguf(tmp_path)))
+    args = ["serve", "--port", "0", "--models-file", str(models), "--cache-dir", str(tmp_path / "cache")]
+    args += ["--state-dir", str(tmp_path / "state")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **SMALL_POOL}
+    with open(tmp_path / "stdout", "wb") as out, open(tmp_path / "stderr", "wb") as err:
+        proc = spawn([sys.executable, "-m", "server", *args], stdout=out, stderr=err, env=env)
+        try:
+            code = proc.wait(DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server whose only model failed is still running")
+    stderr = (tmp_path / "stderr").read_text()
+    assert code == 1, stderr[-3000:]
+    assert "Application shutdown complete" in stderr  # the app's own shutdown ran
+    assert stderr.splitlines()[-1] == (
+        f"kvserve: model 'bad' (source {tmp_path / 'broken.gguf'}) failed to load: {tmp_path / 'broken.gguf'} "
+        "does not start with the GGUF magic bytes, so it is not a GGUF file."
+    )
+
+
+def test_a_server_serves_the_models_that_load_and_names_the_one_that_failed(model_dir, tmp_path):
+    models = models_file(tmp_path, ("bad", broken_gguf(tmp_path)), ("good", model_dir))
+    args = ["--models-file", str(models), "--cache-dir", str(tmp_path / "cache")]
+    server = Server(None, tmp_path / "state", tmp_path / "log", SMALL_POOL, args=args)  # waits for /ready 200
+    ready = httpx.get(server.base + "/ready").json()
+    reason = ready["models"]["bad"]["detail"]
+    assert reason.startswith(f"model 'bad' (source {tmp_path / 'broken.gguf'}) failed to load: ")
+    assert reason.endswith("so it is not a GGUF file.")
+    assert ready == {
+        "status": "degraded",
+        "models": {"bad": {"status": "failed", "detail": reason}, "good": {"status": "ready", "detail": None}},
+        "message": f"serving 1 of 2 models; {reason}",
+    }
+    bad = httpx.get(server.base + "/v1/models/bad").json()
+    assert (bad["status"], bad["detail"]) == ("failed", reason)
+    chat = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    r = httpx.post(server.base + "/v1/chat/completions", json={"model": "bad", **chat})
+    assert r.status_code == 503, r.text
+    assert (r.json()["error"]["code"], r.json()["error"]["message"]) == ("model_failed", reason)
+    r = httpx.post(server.base + "/v1/chat/completions", json={"model": "good", **chat}, timeout=DEADLINE_S)
+    assert r.status_code == 200, r.text
+    assert server.proc.poll() is None  # one model serves: the process stays

@@ -34,6 +34,7 @@ def model_object(host: ModelHost, model_id: str) -> dict:
         "created": 0,
         "owned_by": "kvserve",
         "status": host.states[model_id].status,
+        "detail": host.states[model_id].detail or None,  # why it failed, or what loading is doing
         "max_model_len": loaded.max_context if loaded else None,
         "dtype": str(loaded.dtype).removeprefix("torch.") if loaded else None,
         "dtype_reason": loaded.dtype_reason if loaded else None,
