@@ -200,7 +200,7 @@ class ModelHost:
         engine.start()
         try:
             if self.fingerprints is not None:
-                self.fingerprints.announce(state.spec.id, engine.fingerprint_parts)
+                self.fingerprints.announce(state.spec.id, engine.fingerprint_parts | engine.shared_parts)
         except BaseException:
             engine.stop()  # a failed model serves nothing
             raise

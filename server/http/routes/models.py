@@ -58,5 +58,7 @@ def _fingerprint(host: ModelHost, model_id: str) -> dict:
     one last saw them in the shared store (null without one): a replica with another fingerprint shares no K/V."""
     engine = host.engines.get(model_id)
     parts: dict = engine.fingerprint_parts if engine else dict.fromkeys(FINGERPRINT_PARTS)
+    shared = engine.offloader.shared_fingerprint if engine else None  # what its blocks in Redis are addressed by
     board = host.fingerprints
-    return parts | {"other_replicas": board.peers(model_id) if board is not None and engine else None}
+    peers = board.peers(model_id) if board is not None and engine else None
+    return parts | {"shared_kv_fingerprint": shared, "other_replicas": peers}
