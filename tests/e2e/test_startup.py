@@ -17,6 +17,7 @@ from tests.e2e.server import Server, _kill_leftovers, spawn  # noqa: F401 - the 
 from tests.helpers import DEADLINE_S, wait_until
 from tests.tiny_gguf import save_tiny_gguf
 
+pytestmark = pytest.mark.faults  # real server processes, a model that cannot load, a replica that died converting
 SMALL_POOL = {"KVSERVE_KV_BUDGET_BYTES": str(16 << 20)}  # not a quarter of RAM per replica
 CONVERTING = "converting tiny.gguf to safetensors"
 WAITING = "waiting for another process converting tiny.gguf"

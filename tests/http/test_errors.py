@@ -163,7 +163,7 @@ def test_failed_model_makes_ready_say_why_and_generation_503(tiny_spec, tmp_path
     with TestClient(app) as c:
         c.app.state.host.wait_loaded(30)
         err = assert_error(c.get("/ready"), 503, "not_ready")
-        assert "broken" in err["message"]
+        assert err["message"].startswith("not ready: model 'broken' (source ")  # the model's reason, as it is
         assert "missing" in err["message"]
         assert c.get("/ready").json()["models"]["broken"]["status"] == "failed"
         # not "not ready yet": it failed to load, and says why

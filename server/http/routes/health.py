@@ -3,7 +3,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from server.hosting import ModelHost
+from server.hosting import ModelHost, ModelState
 from server.http import deps
 from server.openai.errors import error_body
 
@@ -38,6 +38,11 @@ async def ready(host: ModelHost = Depends(deps.host)) -> JSONResponse:
         if shared is not None:  # a replica without its shared store still serves what needs none of it
             answer["shared_store"] = "up" if shared else "down"
         return JSONResponse(answer)
-    waiting = [f"{mid} is {s.status}" + (f" ({s.detail})" if s.detail else "") for mid, s in host.states.items()]
-    body = error_body(503, "not_ready", "not ready: " + "; ".join(waiting))
+    body = error_body(503, "not_ready", "not ready: " + "; ".join(_why(mid, s) for mid, s in host.states.items()))
     return JSONResponse({**body, "models": models}, status_code=503)
+
+
+def _why(model_id: str, state: ModelState) -> str:
+    if state.status == "failed" and state.detail:  # names the model, its source and the cause
+        return state.detail
+    return f"{model_id} is {state.status}" + (f" ({state.detail})" if state.detail else "")
