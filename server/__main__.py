@@ -8,9 +8,17 @@ import signal
 import sys
 import threading
 import time
+import types
+import typing
+
+from pydantic import ValidationError
 
 from server.settings import Settings
 
+if typing.TYPE_CHECKING:  # imported where it is used: it imports torch
+    from server.models.loader import ModelSpec
+
+ENV_PREFIX = "KVSERVE_"  # Settings' (pydantic-settings reads KVSERVE_<FIELD>)
 # An idle kept-alive connection is closed after this long. A proxy in front must let its own idle connections
 # to the server go sooner (docker/scale/upstreams.conf: 4 s), or it may write a request into one being closed.
 KEEP_ALIVE_S = 5
@@ -66,7 +74,50 @@ def parse(argv: list[str]) -> tuple[str, Settings]:
             cmd.add_argument(flag, dest=field, default=None, help=Settings.model_fields[field].description)
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
-    return args.command, Settings(**overrides)
+    try:
+        return args.command, Settings(**overrides)
+    except ValidationError as exc:  # a flag's, the environment's or .env's value: one line each, as argparse would
+        for line in refusals(exc):
+            print(line, file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def refusals(exc: ValidationError) -> list[str]:
+    """One line per setting refused: its flag and KVSERVE_ name, the value given, and what it may be."""
+    flags = {field: flag for flag, field in OPTIONS.items()}
+    lines, seen = [], set()
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        if field in seen:  # a union's members each refuse it: one line says what all of them allow
+            continue
+        seen.add(field)
+        names = f"{flags[field]} ({ENV_PREFIX}{field.upper()})" if field in flags else f"{ENV_PREFIX}{field.upper()}"
+        given = repr(error.get("input"))
+        given = given if len(given) <= 80 else given[:77] + "..."
+        allowed = allowed_values(field)
+        why = f"not one of {', '.join(allowed)}" if allowed else f"not valid: {error['msg']}"
+        lines.append(f"kvserve: {names}: {given} is {why}")
+    return lines
+
+
+def allowed_values(field: str) -> list[str] | None:
+    """The values an enumerated setting (Literals, booleans) may take, as they are written; None for others."""
+    info = Settings.model_fields.get(field)
+    if info is None:
+        return None
+    allowed: list[str] = []
+    for member in typing.get_args(info.annotation) if _is_union(info.annotation) else (info.annotation,):
+        if typing.get_origin(member) is typing.Literal:
+            allowed += [str(value) for value in typing.get_args(member)]
+        elif member is bool:
+            allowed += ["true", "false"]
+        else:
+            return None
+    return allowed
+
+
+def _is_union(annotation: object) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     from server.engine.threads import confine_to_one_team
 
     confine_to_one_team()  # before torch is imported: one OpenMP team, the engine's (server/engine/threads.py)
+    specs = _specs(settings)
+    if specs is None:
+        return 2
     import uvicorn
 
     from server.app import create_app
@@ -86,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     # installed. A graceful stop is a success: leave no-op handlers there so the process exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    app = create_app(settings)
+    app = create_app(settings, specs)
     limit = raise_descriptor_limit()
     guard = ConnectionGuard(settings.max_connections or default_max_connections(limit), settings.header_timeout_s)
     logging.getLogger("kvserve").info("at most %d open connections", guard.max_connections)
@@ -100,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,  # the gate writes one line per request, with its ids
         http=guard.protocol(),
     )
-    _draining_server()(config, app, settings.shutdown_grace_s).run()
+    server = _draining_server()(config, app, settings.shutdown_grace_s)
+    server.run()
+    if server.failures:  # no model loaded: say why and exit non-zero, so an orchestrator restarts the process
+        for reason in server.failures.values():  # each names its model, its source and the cause, on one line
+            print(f"kvserve: {reason}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -114,6 +173,17 @@ def _draining_server():
         def __init__(self, config, app, grace_s: float) -> None:
             super().__init__(config)
             self._app, self._grace_s, self._is_draining = app, grace_s, False
+            self.failures: dict[str, str] = {}  # when every model failed to load: each one's reason
+
+        async def on_tick(self, counter: int) -> bool:
+            """Also stop (the app's shutdown runs as after a signal) once every model has failed to load: a server
+            with nothing to serve would answer /ready 503 and /health 200 for ever, and never be restarted."""
+            host = getattr(self._app.state, "host", None)
+            if host is not None and host.has_failed and not self.should_exit:
+                self.failures = host.failures
+                logging.getLogger("kvserve").error("no model could be loaded: stopping")
+                self.should_exit = True
+            return await super().on_tick(counter)
 
         def handle_exit(self, sig, frame) -> None:
             host = getattr(self._app.state, "host", None)
@@ -135,17 +205,31 @@ def _draining_server():
     return Server
 
 
-def _prepare(settings: Settings) -> int:
+def _specs(settings: Settings) -> list[ModelSpec] | None:
+    """What to serve (--model, else the models file), or None when the models file cannot be read: said in one
+    line, as a bad setting is."""
     from server.hosting import resolve_specs
+
+    try:
+        return resolve_specs(settings)
+    except (OSError, ValueError, TypeError) as exc:  # missing, not TOML, unknown or missing keys, a bad kv_dtype
+        print(f"kvserve: --models-file ({ENV_PREFIX}MODELS_FILE): {exc}", file=sys.stderr)
+        return None
+
+
+def _prepare(settings: Settings) -> int:
     from server.kv import kernels
     from server.models.loader import ModelLoadError, load_model
 
+    specs = _specs(settings)
+    if specs is None:
+        return 2
     status = 0
     if kernels.paged_decode_available():  # built now, not on the first start
         print(f"paged decode kernel: built ({kernels.build_name()})")
     else:
         print(f"paged decode kernel: unavailable ({kernels.unavailable_reason()}); the SDPA path serves")
-    for spec in resolve_specs(settings):
+    for spec in specs:
         try:
             loaded = load_model(spec, settings.cache_dir)
             dtype = f"{loaded.dtype} ({loaded.dtype_reason})"

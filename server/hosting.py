@@ -101,7 +101,19 @@ class ModelHost:
 
     @property
     def is_ready(self) -> bool:
-        return all(s.status == "ready" for s in self.states.values())
+        """Every model has either loaded or failed, and at least one loaded: what there is, is served."""
+        statuses = [s.status for s in self.states.values()]
+        return "ready" in statuses and all(status in ("ready", "failed") for status in statuses)
+
+    @property
+    def has_failed(self) -> bool:
+        """Every model failed to load: nothing will ever be served (`kvserve serve` exits, to be restarted)."""
+        return bool(self.states) and all(s.status == "failed" for s in self.states.values())
+
+    @property
+    def failures(self) -> dict[str, str]:
+        """Each model that failed to load, and why."""
+        return {model_id: s.detail for model_id, s in self.states.items() if s.status == "failed"}
 
     @property
     def num_active(self) -> int:
@@ -152,28 +164,49 @@ class ModelHost:
             )
 
     def _load_all(self) -> None:
-        use_compute_threads()  # loading computes (digests, dtype timing, packing); the team ends with this thread
-        for state in self.states.values():
-            if self._is_closed:
-                return
-            state.status = "loading"
-            log.info("loading model %s from %s", state.spec.id, state.spec.source)
-            try:
-                loaded = load_model(state.spec, self.settings.cache_dir)
-            except ModelLoadError as exc:
-                state.status, state.detail = "failed", str(exc)
-                log.error("%s", exc)
-                continue
-            loaded.guards_control_text = not self.settings.control_tokens_in_messages
-            if self.settings.compile and loaded.device.type == "cpu":
-                state.detail = "compiling the model (torch.compile; minutes the first time, cached after)"
-            engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded))
-            engine.start()
-            self.engines[state.spec.id] = engine
+        """Load every model in turn. Whatever goes wrong with one (its files, its engine) marks it failed with the
+        reason and the next one loads: no exception leaves a model "loading" for ever."""
+        try:
+            use_compute_threads()  # loading computes (digests, dtype timing, packing); the team ends with this thread
+            for state in self.states.values():
+                if self._is_closed:
+                    return
+                state.status = "loading"
+                log.info("loading model %s from %s", state.spec.id, state.spec.source)
+                try:
+                    self._load(state)
+                except ModelLoadError as exc:  # says which model, from where, and why
+                    state.status, state.detail = "failed", one_line(str(exc))
+                    log.error("%s", exc)
+                except Exception as exc:  # the engine's construction, or anything unforeseen: the trace helps
+                    cause = f"{type(exc).__name__}: {exc}"
+                    reason = f"model {state.spec.id!r} (source {state.spec.source}) failed to start: {cause}"
+                    state.status, state.detail = "failed", one_line(reason)
+                    log.exception("%s", reason)
+        except BaseException as exc:  # outside one model's load (the threads' setup, an exit): the rest never load
+            cause = f"{type(exc).__name__}: {exc}"
+            for state in self.states.values():
+                if state.status in ("pending", "loading"):
+                    state.status, state.detail = "failed", one_line(f"model {state.spec.id!r} was not loaded: {cause}")
+            log.exception("loading models stopped")
+            raise
+
+    def _load(self, state: ModelState) -> None:
+        loaded = load_model(state.spec, self.settings.cache_dir)
+        loaded.guards_control_text = not self.settings.control_tokens_in_messages
+        if self.settings.compile and loaded.device.type == "cpu":
+            state.detail = "compiling the model (torch.compile; minutes the first time, cached after)"
+        engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded))
+        engine.start()
+        try:
             if self.fingerprints is not None:
-                self.fingerprints.announce(state.spec.id, engine.fingerprint_parts)
-            state.status, state.detail = "ready", ""
-            log.info("model %s ready on %s (%s)", state.spec.id, loaded.device, loaded.dtype)
+                self.fingerprints.announce(state.spec.id, engine.fingerprint_parts | engine.shared_parts)
+        except BaseException:
+            engine.stop()  # a failed model serves nothing
+            raise
+        self.engines[state.spec.id] = engine
+        state.status, state.detail = "ready", ""
+        log.info("model %s ready on %s (%s)", state.spec.id, loaded.device, loaded.dtype)
 
     def _engine_config(self, loaded: LoadedModel) -> EngineConfig:
         s = self.settings
@@ -196,6 +229,12 @@ class ModelHost:
             kv_dtype,
             deterministic,
         )
+
+
+def one_line(text: str, limit: int = 1000) -> str:
+    """A reason as one line (an exception's message may span many), at most `limit` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def resolve_specs(settings: Settings) -> list[ModelSpec]:

@@ -20,8 +20,13 @@ class Settings(BaseSettings):
     def _empty_is_none(cls, value):
         return None if value in ("", None) else value
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value):
+        return value.lower() if isinstance(value, str) else value
+
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(8000, ge=0, le=65535, description="0: any free port")
     models_file: Path = Path("models/models.toml")
     model: str | None = Field(None, description="serve this path or hub id instead of models_file")
     cache_dir: Path = Field(Path("models/cache"), description="converted weights (GGUF -> safetensors)")
@@ -108,7 +113,8 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(512, gt=0, description="when a request gives no max_tokens")
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is ended")
     shutdown_grace_s: float = Field(10.0, ge=0, description="on SIGTERM, how long open requests may finish")
-    log_level: str = "info"
+    # Python's logging levels that uvicorn knows too (its own "trace" is no logging level until uvicorn is imported)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     shared_url: str | None = Field(
         None,
         description="redis://host:port/db of the store the replicas share (unset: one process, no Redis); "

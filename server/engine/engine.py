@@ -87,6 +87,17 @@ class Engine:
         }
 
     @property
+    def shared_parts(self) -> dict[str, str]:
+        """What this replica's K/V blocks in Redis are addressed by, beyond the model: the fingerprint of the form
+        the shared tier keeps them in, that form, and the block size. Replicas share blocks where all three are
+        equal (their K/V fingerprints may differ: an 8-bit pool's blocks are a bf16 pool's blocks kept in int8)."""
+        return {
+            "shared_kv_fingerprint": self.offloader.shared_fingerprint,
+            "shared_kv_layout": self.offloader.layouts["shared"].describe,
+            "block_size": str(self.config.block_size),
+        }
+
+    @property
     def stats(self) -> EngineStats:
         return self.loop.stats
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from server.engine.compiled import CompiledModel
+from server.engine.compiled import WARM_UP_TOKENS, CompiledModel
 from server.engine.scheduler import Row
 from server.kv import kernels, offload
 from server.kv.attention import (
@@ -131,10 +131,16 @@ class ModelRunner:
         # Heads the kernel reads keep their layout across steps (within a quarter of the pool, at most 256 MiB).
         self.head_layouts = HeadLayouts.for_pool(self.layout, block_size, self.pool.nbytes)
         install(loaded.model)
+        # What runs the steps, said in GET /v1/models/{id}: the compiled graphs, or eager and why
+        self.compiled: CompiledModel | None = None
+        self.compile_detail = "not asked (--compile false)"
         if compile_dir is not None and self.deterministic:
+            self.compile_detail = (
+                "asked, but runs eager: deterministic mode (inductor's kernels are not batch-invariant)"
+            )
             log.info("model %s: not compiled: inductor's kernels are not batch-invariant", loaded.spec.id)
-            compile_dir = None
-        self.compiled = _compiled(loaded, compile_dir) if compile_dir is not None else None
+        elif compile_dir is not None:
+            self.compiled, self.compile_detail = _compiled(loaded, compile_dir)
 
     def _deterministic(self, loaded: LoadedModel, by_prefill_kernel: bool) -> None:
         """Deterministic mode: a token's K/V and logits depend on its tokens alone, not on the step's other rows,
@@ -339,21 +345,24 @@ class ModelRunner:
         self.counter.num_forwards += 1
 
 
-def _compiled(loaded: LoadedModel, cache_dir: str) -> CompiledModel | None:
-    """The model compiled (both graphs, now), or None where it runs eager (with the reason logged)."""
+def _compiled(loaded: LoadedModel, cache_dir: str) -> tuple[CompiledModel | None, str]:
+    """The model compiled (both graphs, now), or None where it runs eager (with the reason logged); and what it
+    runs, in words."""
     if loaded.device.type != "cpu":
         log.warning("model %s: not compiled: compiling is built for the CPU only (%s)", loaded.spec.id, loaded.device)
-        return None
+        return None, f"asked, but runs eager: compiling is built for the CPU only, not {loaded.device.type}"
     compiled = CompiledModel(loaded.model, Path(cache_dir), loaded.spec.id)
     if not compiled.head_matches():
         log.warning("model %s: not compiled: its LM head does more than a linear layer and a softcap", loaded.spec.id)
-        return None
+        return None, "asked, but runs eager: its LM head does more than a linear layer and a softcap"
     try:
         compiled.compile()
-    except Exception:  # a graph break, no C++ compiler, an inductor error: the model still serves, eager
+    except Exception as exc:  # a graph break, no C++ compiler, an inductor error: the model still serves, eager
         log.exception("model %s: not compiled: compiling failed; it runs eager", loaded.spec.id)
-        return None
-    return compiled
+        cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return None, f"asked, but runs eager: compiling failed ({cause})"
+    cached = f"{compiled.cache_hits} of {len(WARM_UP_TOKENS)} graphs from the cache"
+    return compiled, f"compiled by torch.compile at start in {compiled.compile_s:.1f} s ({cached})"
 
 
 def _common_prefix(tables: list[list[int]]) -> int:

@@ -35,7 +35,8 @@ STATUS_TEXT = {
     409: "session_busy (a request of this session is in flight, or another replica moved it on), session_mode_mismatch",
     413: "request_too_large",
     429: "server_overloaded (with Retry-After), quota_exceeded, slow_reader",
-    503: "not_ready, shutting_down, out_of_memory, state_unavailable, shared_store_unavailable, shared_store_uncertain",
+    503: "not_ready, model_failed (it failed to load, and why), shutting_down, out_of_memory, state_unavailable, "
+    "shared_store_unavailable, shared_store_uncertain",
     504: "request_timeout",
 }
 ERRORS: dict[tuple[str, str], tuple[int, ...]] = {

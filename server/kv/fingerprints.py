@@ -1,10 +1,13 @@
 """Which K/V fingerprint each replica serves a model id with, kept in the shared store (Redis).
 
-Replicas share K/V blocks only when their fingerprints are equal (it is part of every block address),
-so replicas serving one model id with other weights, config, tokenizer or dtype (a fine-tune deployed
-under the old id, a rolling upgrade half done, `dtype = "auto"` settling differently) are each correct
+Replicas share K/V blocks in Redis only when the blocks' addresses agree: the fingerprint of the form
+the shared tier keeps them in (the model's weights, config, tokenizer and dtype, and the shared tier's
+K/V dtype, `KVSERVE_SHARED_KV_DTYPE`) and the block size. So replicas serving one model id with other
+weights, config, tokenizer or dtype (a fine-tune deployed under the old id, a rolling upgrade half done,
+`dtype = "auto"` settling differently), or keeping their shared blocks in another form, are each correct
 but never restore each other's K/V: every session that moves between them recomputes. This is how
-they find out. Each replica writes what it serves a model with (`Engine.fingerprint_parts`) under
+they find out. Each replica writes what it serves a model with (`Engine.fingerprint_parts`) and what its
+blocks in Redis are addressed by (`Engine.shared_parts`) under
 `kvserve:fp:<replica>:<model>`, which expires unless refreshed (every `period_s`; deleted at a clean
 stop, so a replica that is gone drops out), names itself in the set `kvserve:fps:<model>`, and reads
 the others'. Another fingerprint is logged as a warning once per replica and fingerprint, and
@@ -24,12 +27,30 @@ MEMBERS = "kvserve:fps:"  # + model id: the replicas that announced it
 PERIOD_S = 5.0  # how often a replica refreshes its entry and reads the others'
 TTL_S = 30.0  # an entry not refreshed for this long is a replica that is gone
 MEMBERS_TTL_S = 24 * 3600  # the set of names outlives its members' entries; renewed with them
-PARTS = {"kv_layout": "layout", "weights_digest": "weights", "config_digest": "config", "tokenizer_digest": "tokenizer"}
+PARTS = {
+    "kv_layout": "layout",
+    "weights_digest": "weights",
+    "config_digest": "config",
+    "tokenizer_digest": "tokenizer",
+    "shared_kv_layout": "shared layout",  # how the shared tier keeps the K/V (the pool's form, or 8 bits)
+    "block_size": "block size",
+}
 
 
 def differing(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
-    """The parts of two fingerprints that differ, by short name (layout, weights, config, tokenizer)."""
+    """The parts of two replicas' entries that differ, by short name (layout, weights, config, tokenizer, shared
+    layout, block size)."""
     return [short for name, short in PARTS.items() if ours.get(name) != theirs.get(name)]
+
+
+def shares_blocks(ours: dict[str, str], theirs: dict[str, str]) -> bool:
+    """Whether the two replicas address the K/V blocks they keep in Redis alike: the fingerprint of the form kept
+    there and the block size (an entry without them, from an older version: its pool's K/V fingerprint)."""
+
+    def address(parts: dict[str, str]) -> tuple[str | None, str | None]:
+        return parts.get("shared_kv_fingerprint", parts.get("kv_fingerprint")), parts.get("block_size")
+
+    return address(ours) == address(theirs)
 
 
 class FingerprintBoard:
@@ -70,7 +91,7 @@ class FingerprintBoard:
             {
                 "replica": replica,
                 "kv_fingerprint": parts.get("kv_fingerprint"),
-                "shares_kv_blocks": parts.get("kv_fingerprint") == ours.get("kv_fingerprint"),
+                "shares_kv_blocks": shares_blocks(ours, parts),
                 "differs_in": differing(ours, parts),
             }
             for replica, parts in sorted(seen.items())
@@ -134,26 +155,40 @@ class FingerprintBoard:
         return True
 
     def _warn_once(self, model_id: str, ours: dict[str, str], other: str, theirs: dict[str, str]) -> None:
+        if shares_blocks(ours, theirs):
+            return
         fingerprint = theirs.get("kv_fingerprint", "")
+        seen = (model_id, other, f"{fingerprint},{theirs.get('shared_kv_fingerprint')},{theirs.get('block_size')}")
         with self._lock:
-            if fingerprint == ours.get("kv_fingerprint") or (model_id, other, fingerprint) in self._warned:
+            if seen in self._warned:
                 return
-            self._warned.add((model_id, other, fingerprint))
+            self._warned.add(seen)
         parts = differing(ours, theirs)
         names = {short: name for name, short in PARTS.items()}
-        details = [f"{part} ({ours.get(names[part])} here, {theirs.get(names[part])} there)" for part in parts]
-        advice = (
-            "pin the dtype in models.toml on every replica"
-            if parts == ["layout"]
-            else "serve other weights under a new model id, or finish the rolling upgrade"
-        )
+        details = "; ".join(f"{p} ({ours.get(names[p])} here, {theirs.get(names[p])} there)" for p in parts)
+        details = details or "parts this version does not name"
+        if fingerprint != ours.get("kv_fingerprint"):
+            advice = (
+                "pin the dtype in models.toml on every replica"
+                if [p for p in parts if p in ("layout", "weights", "config", "tokenizer")] == ["layout"]
+                else "serve other weights under a new model id, or finish the rolling upgrade"
+            )
+            log.warning(
+                "model %s: replica %s serves it with another K/V fingerprint (%s; this replica's is %s), they differ "
+                "in %s: the two share no K/V blocks, so a session moving between them recomputes its prompt; %s",
+                model_id,
+                other,
+                fingerprint,
+                ours.get("kv_fingerprint"),
+                details,
+                advice,
+            )
+            return
         log.warning(
-            "model %s: replica %s serves it with another K/V fingerprint (%s; this replica's is %s), they differ "
-            "in %s: the two share no K/V blocks, so a session moving between them recomputes its prompt; %s",
+            "model %s: replica %s computes the same K/V but keeps its blocks in Redis under other addresses, they "
+            "differ in %s: the two share no K/V blocks, so a session moving between them recomputes its prompt; set "
+            "KVSERVE_SHARED_KV_DTYPE and KVSERVE_BLOCK_SIZE alike on every replica",
             model_id,
             other,
-            fingerprint,
-            ours.get("kv_fingerprint"),
-            "; ".join(details) or "parts this version does not name",
-            advice,
+            details,
         )

@@ -64,6 +64,12 @@ class Offloader:
         """How each tier keeps this pool's K/V."""
         return self.tiers.formats.layouts(self.pool.layout)
 
+    @cached_property
+    def shared_fingerprint(self) -> str:
+        """The K/V fingerprint this replica's blocks in Redis are addressed by: of the form the shared tier keeps them
+        in, which is not the pool's where that tier keeps fewer bits (`KVSERVE_SHARED_KV_DTYPE`)."""
+        return self.layouts["shared"].fingerprint(self.digests)
+
     def fits(self, snapshot: Snapshot) -> bool:
         """A snapshot this pool can restore: this model's K/V, computed as the pool computes it (its stored form
         may differ: it is converted)."""
@@ -136,7 +142,7 @@ class Offloader:
             blocks, num_tokens = self.manager.chain(key.tenant, token_ids)
             bs, layout = self.manager.block_size, self.layouts["shared"]
             full = token_ids[: num_tokens - num_tokens % bs]
-            names = addresses(layout.fingerprint(self.digests), bs, key.tenant, full)
+            names = addresses(self.shared_fingerprint, bs, key.tenant, full)
             new = shared.unknown(names)
             if not new:
                 return

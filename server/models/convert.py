@@ -1,10 +1,23 @@
-"""GGUF -> safetensors, once: dequantizing takes tens of seconds, reloading the result about one."""
+"""GGUF -> safetensors, once: dequantizing takes tens of seconds, reloading the result about one.
+
+Replicas started at once on one cache directory (compose --scale, a Deployment over a shared volume)
+convert a model once between them: the first takes a lock beside the target and converts into a
+directory of its own, renamed into place when whole; the others wait for the lock, log that they do,
+and then find the target. A conversion that died leaves its partial directory, removed by the next
+holder of the lock (no other conversion of that target can be running then).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import hashlib
 import logging
+import os
+import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,10 +36,62 @@ def gguf_cache_dir(gguf: Path, cache_dir: Path, model_id: str) -> Path:
     return cache_dir / f"{safe_id}-{digest.hexdigest()[:16]}"
 
 
-def convert_gguf(gguf: Path, target: Path) -> None:
+def converted(gguf: Path, cache_dir: Path, model_id: str) -> Path:
+    """The directory of `gguf` converted to safetensors under `cache_dir`, converted now unless this or another
+    process did it before."""
+    target = gguf_cache_dir(gguf, cache_dir, model_id)
+    if target.is_dir():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(target, f"model {model_id}: waiting for another process converting {gguf.name}"):
+        if target.is_dir():  # the process we waited for converted it
+            log.info("model %s: %s was converted by another process meanwhile: %s", model_id, gguf.name, target)
+            return target
+        for stale in glob.glob(glob.escape(str(target)) + ".*.partial"):  # a conversion that died
+            log.info("removing %s, left by a conversion that did not finish", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        # A name of its own (a process that takes no lock, an older version, never writes into it), made with the
+        # umask's mode: mkdtemp's 0700 would keep replicas running as other users out of the converted model.
+        partial = target.with_name(f"{target.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+        partial.mkdir()
+        log.info("model %s: converting %s to safetensors in %s (once)", model_id, gguf.name, target)
+        try:
+            convert_gguf(gguf, partial)
+            os.rename(partial, target)  # atomic: no reader ever sees a half-written directory
+        except OSError:
+            if not target.is_dir():
+                raise
+            # Renamed onto a directory a process that takes no lock (an older version) wrote meanwhile: use it.
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)  # gone when renamed; what a failed conversion wrote
+    return target
+
+
+def lock_path(target: Path) -> Path:
+    """The lock a process holds while it converts into `target` (kept: removing it could part two waiters)."""
+    return target.with_name(target.name + ".lock")
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path, waiting: str) -> Iterator[None]:
+    """Held while `target` is converted: released by the kernel when its holder's process ends, however it ends.
+    `waiting` is logged when another process holds it."""
+    with open(lock_path(target), "a") as holder:
+        try:
+            fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s into %s", waiting, target)
+            fcntl.flock(holder, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(holder, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf: Path, directory: Path) -> None:
+    """Write `gguf` as a transformers model (safetensors weights, config, tokenizer) into `directory`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
     steps = tqdm(total=4, desc=f"kvserve: converting {gguf.name}", unit="step")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     steps.update()
@@ -40,10 +105,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
     steps.update()
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)  # atomic: a crash mid-way never leaves a half-written cache
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     steps.update()
     steps.close()

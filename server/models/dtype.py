@@ -69,9 +69,22 @@ def choose_dtype(name: str, device: torch.device, config: Any, memo: Path | None
     if not flags or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return DtypeChoice(torch.float32, "auto: this CPU has no bf16 instructions (AMX-BF16 or AVX512-BF16)")
     key = _memo_key(config, flags)
-    remembered = _read_memo(memo, key)
+    remembered = _read_memo(memo, key)  # no lock: the file is only ever replaced whole
     if remembered is not None:
         return remembered
+    # Replicas starting together on one cache directory: one measures while the others wait, then they take its
+    # choice. No measurement is disturbed by another's on the same cores, and every replica computes in the same
+    # dtype (so with the same K/V fingerprint: they share blocks).
+    with _memo_lock(memo, "waiting for another process measuring bfloat16 against float32"):
+        remembered = _read_memo(memo, key)
+        if remembered is not None:
+            return remembered
+        choice = _measure(config, flags)
+        _write_memo(memo, key, choice)
+    return choice
+
+
+def _measure(config: Any, flags: list[str]) -> DtypeChoice:
     fp32_ms = bf16_ms = float("inf")
     for _ in range(ROUNDS):  # alternating, best of each: a burst of load on the machine hits both or neither
         fp32_ms = min(fp32_ms, turn_ms(config, torch.float32))
@@ -81,12 +94,9 @@ def choose_dtype(name: str, device: torch.device, config: Any, memo: Path | None
         f"{bf16_ms:.0f} ms in bfloat16 vs {fp32_ms:.0f} ms in float32"
     )
     if bf16_ms < BF16_MARGIN * fp32_ms:
-        choice = DtypeChoice(torch.bfloat16, f"auto: the CPU has {'+'.join(flags)}; {measured}")
-    else:
-        reason = f"auto: the CPU has {'+'.join(flags)} but bfloat16 is not faster here; {measured}"
-        choice = DtypeChoice(torch.float32, reason)
-    _write_memo(memo, key, choice)
-    return choice
+        return DtypeChoice(torch.bfloat16, f"auto: the CPU has {'+'.join(flags)}; {measured}")
+    reason = f"auto: the CPU has {'+'.join(flags)} but bfloat16 is not faster here; {measured}"
+    return DtypeChoice(torch.float32, reason)
 
 
 def _memo_key(config: Any, flags: list[str]) -> str:
@@ -104,8 +114,7 @@ def _read_memo(memo: Path | None, key: str) -> DtypeChoice | None:
     if memo is None:
         return None
     try:
-        with _memo_lock(memo):
-            entry = _load_memo(memo).get(key)
+        entry = _load_memo(memo).get(key)
     except OSError:
         return None
     if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
@@ -114,17 +123,17 @@ def _read_memo(memo: Path | None, key: str) -> DtypeChoice | None:
 
 
 def _write_memo(memo: Path | None, key: str, choice: DtypeChoice) -> None:
+    """Add this entry (the caller holds `_memo_lock`: two processes measuring other models each add theirs, none
+    is lost), writing a whole new file and renaming it over the old one."""
     if memo is None:
         return
     try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        with _memo_lock(memo):  # two processes starting at once: each adds its entry, none is lost
-            known = _load_memo(memo)
-            known[key] = {"dtype": choice.name, "reason": choice.reason}
-            fd, partial = tempfile.mkstemp(dir=memo.parent, prefix=memo.name, suffix=".partial")
-            with os.fdopen(fd, "w") as f:
-                json.dump(known, f, indent=1)
-            os.replace(partial, memo)
+        known = _load_memo(memo)
+        known[key] = {"dtype": choice.name, "reason": choice.reason}
+        fd, partial = tempfile.mkstemp(dir=memo.parent, prefix=memo.name, suffix=".partial")
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f, indent=1)
+        os.replace(partial, memo)
     except OSError as exc:  # a read-only cache: measure again next start
         log.warning("could not keep the dtype measurement in %s: %s", memo, exc)
 
@@ -138,9 +147,23 @@ def _load_memo(memo: Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _memo_lock(memo: Path) -> Iterator[None]:
-    with open(memo.with_name(memo.name + ".lock"), "a") as holder:
-        fcntl.flock(holder, fcntl.LOCK_EX)
+def _memo_lock(memo: Path | None, waiting: str) -> Iterator[None]:
+    """The memo's lock, across processes (`waiting` is logged when another holds it); none without a memo or where
+    the cache directory takes no file (read-only: nothing is kept there either)."""
+    holder = None
+    if memo is not None:
+        with contextlib.suppress(OSError):
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            holder = open(memo.with_name(memo.name + ".lock"), "a")  # noqa: SIM115 - closed below
+    if holder is None:
+        yield
+        return
+    with holder:
+        try:
+            fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s (%s)", waiting, memo)
+            fcntl.flock(holder, fcntl.LOCK_EX)
         try:
             yield
         finally:

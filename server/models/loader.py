@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from server.kv.attention import unsupported_reason
-from server.models.convert import convert_gguf, gguf_cache_dir
+from server.models.convert import converted
 from server.models.digest import ModelDigests, config_digest, state_dict_digest, tokenizer_digest, weights_digest
 from server.models.dtype import DtypeChoice, choose_dtype
 from server.models.packed_linear import can_pack, pack_linears
@@ -114,10 +114,7 @@ def resolve_source(spec: ModelSpec, cache_dir: Path) -> str:
             raise FileNotFoundError(f"no such file or directory: {gguf}")
         if gguf.is_dir():
             return str(gguf)
-    target = gguf_cache_dir(gguf, cache_dir, spec.id)
-    if not target.exists():
-        convert_gguf(gguf, target)
-    return str(target)
+    return str(converted(gguf, cache_dir, spec.id))
 
 
 def _package_file(ref: str) -> Path:

@@ -53,6 +53,8 @@ class Serving:
         if state is None:
             raise ApiError(404, "model_not_found", f"model {model!r} does not exist", "model")
         engine = self.host.engines.get(model)
+        if engine is None and state.status == "failed":  # for good: its files or settings need a person
+            raise ApiError(503, "model_failed", state.detail or f"model {model!r} failed to load")
         if engine is None:
             raise ApiError(503, "not_ready", f"model {model!r} is {state.status}: {state.detail}".rstrip(": "))
         return engine

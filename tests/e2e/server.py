@@ -80,13 +80,17 @@ class Server:
         log_path: Path,
         env: dict[str, str] | None = None,
         max_open_files: int | None = None,
+        args: list[str] | None = None,
+        wait: bool = True,
     ) -> None:
+        """`args`: more `kvserve serve` flags; `wait`: return once /ready answers 200 (else call `wait_ready`)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        args = ["serve", "--port", str(self.port), "--state-dir", str(state_dir)]
+        self.is_default = not model_dir and "--model" not in (args or []) and "--models-file" not in (args or [])
+        args = ["serve", "--port", str(self.port), "--state-dir", str(state_dir), *(args or [])]
         if model_dir:  # served under its directory's name, in fp32: `auto` times bf16 against fp32 for the tiny
             # model, a coin flip at its size, and replicas compare their texts (in bf16 the cache may change one)
             models = log_path.with_suffix(".models.toml")
@@ -102,9 +106,13 @@ class Server:
         self.proc = spawn(
             [sys.executable, "-m", "server", *args], stdout=self.log, stderr=self.log, env=env, preexec_fn=limits
         )
-        deadline = time.monotonic() + (DEADLINE_S if model_dir else 600)  # the default's first start converts it
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + (600 if self.is_default else DEADLINE_S)  # the default's first start converts
         while True:
-            assert self.proc.poll() is None, log_path.read_text()[-3000:]
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
             try:
                 if httpx.get(self.base + "/ready").status_code == 200:
                     return

@@ -7,12 +7,14 @@ import asyncio
 import dataclasses
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from server.engine.compiled import CACHE_ENV, WARM_UP_TOKENS, CompiledModel, _cache_dir
+from server.http.routes.models import model_object
 from server.kv.attention import StepMeta, current_step, stepping
 from server.kv.pool import KVLayout, KVPool
 from server.models.loader import load_model
@@ -28,6 +30,12 @@ def tiny(tiny_spec):
     return load_model(dataclasses.replace(tiny_spec, dtype="float32"), Path("unused-cache"))
 
 
+def served(engine) -> SimpleNamespace:
+    """What GET /v1/models/{id} reads of the model host, for an engine made here."""
+    state = SimpleNamespace(status="ready", detail="")
+    return SimpleNamespace(engines={engine.model_id: engine}, states={engine.model_id: state}, fingerprints=None)
+
+
 def ids(tiny, text: str) -> list[int]:
     return tiny.tokenizer(text)["input_ids"]
 
@@ -38,6 +46,10 @@ async def test_the_compiled_model_answers_as_hf_generate(tiny, tmp_path, monkeyp
     try:
         compiled = engine.runner.compiled
         assert compiled is not None, "the CPU engine was asked to compile"
+        described = model_object(served(engine), "tiny")  # GET /v1/models/tiny's body
+        assert described["compiled"] is True
+        assert described["compile_detail"].startswith("compiled by torch.compile at start in ")
+        assert described["compile_detail"].endswith(" s (0 of 2 graphs from the cache)")
         assert isinstance(tiny.model.model.layers[0].mlp.up_proj, PackedLinear)  # in the graph: kvserve::packed_linear
         assert os.environ[CACHE_ENV] == str(tmp_path / "inductor")
         assert compiled.cache_hits == 0
@@ -82,6 +94,11 @@ async def test_a_model_that_fails_to_compile_serves_eager(tiny, tmp_path, monkey
     engine = make_engine(tiny, block_size=4, compile_dir=str(tmp_path))
     try:
         assert engine.runner.compiled is None
+        described = model_object(served(engine), "tiny")
+        assert described["compiled"] is False
+        assert described["compile_detail"] == (
+            "asked, but runs eager: compiling failed (RuntimeError: inductor could not build this graph)"
+        )
         prompt = ids(tiny, "The quick brown fox")
         result = await run(engine, prompt, max_tokens=4, ignore_eos=True)
         assert result.token_ids == reference_greedy(tiny.model, prompt, 4)

@@ -137,12 +137,19 @@ def test_an_8_bit_pool_is_read_by_the_decode_kernel(bf16):
 def test_compiling_is_left_off_in_the_mode(bf16, monkeypatch, tmp_path):
     # inductor's generated kernels vectorize by shape; compiling for real takes a minute: a stand-in records it
     asked: list[str] = []
-    monkeypatch.setattr(model_runner, "_compiled", lambda loaded, cache_dir: asked.append(cache_dir))
+    monkeypatch.setattr(
+        model_runner, "_compiled", lambda loaded, cache_dir: asked.append(cache_dir) or (None, "the stand-in's")
+    )
     for on in (True, False):
         e = make_engine(bf16, budget_bytes=BUDGET, compile_dir=str(tmp_path), deterministic=on)
         try:
             assert e.runner.deterministic is on
             assert e.runner.compiled is None
+            assert e.runner.compile_detail == (  # as GET /v1/models/{id} says it
+                "asked, but runs eager: deterministic mode (inductor's kernels are not batch-invariant)"
+                if on
+                else "the stand-in's"
+            )
         finally:
             e.stop()
     assert asked == [str(tmp_path)]  # the engine out of the mode only

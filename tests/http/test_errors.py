@@ -163,9 +163,48 @@ def test_failed_model_makes_ready_say_why_and_generation_503(tiny_spec, tmp_path
     with TestClient(app) as c:
         c.app.state.host.wait_loaded(30)
         err = assert_error(c.get("/ready"), 503, "not_ready")
-        assert "broken" in err["message"]
+        assert err["message"].startswith("not ready: model 'broken' (source ")  # the model's reason, as it is
         assert "missing" in err["message"]
-        assert_error(c.post(CHAT, json={"model": "broken", "messages": MSG}), 503, "not_ready")
+        assert c.get("/ready").json()["models"]["broken"]["status"] == "failed"
+        # not "not ready yet": it failed to load, and says why
+        err = assert_error(c.post(CHAT, json={"model": "broken", "messages": MSG}), 503, "model_failed")
+        assert err["message"].startswith("model 'broken' (source ")
+        assert "missing" in err["message"]
+        assert c.app.state.host.has_failed  # what `kvserve serve` exits on (tests/e2e/test_startup.py)
+
+
+def test_a_model_whose_engine_fails_to_start_is_failed_with_the_reason_and_the_next_one_loads(tiny_spec, monkeypatch):
+    """Not only a ModelLoadError: any exception while one model starts (here its engine's construction) marks it
+    failed, and the models after it still load and serve."""
+    import server.hosting
+
+    real_engine = server.hosting.Engine
+
+    def engine(loaded, *args):
+        if loaded.spec.id == "first":
+            raise RuntimeError("no memory for the K/V pool")
+        return real_engine(loaded, *args)
+
+    monkeypatch.setattr(server.hosting, "Engine", engine)
+    first = dataclasses.replace(tiny_spec, id="first")
+    with TestClient(create_app(Settings(), specs=[first, tiny_spec])) as c:
+        c.app.state.host.wait_loaded(DEADLINE_S)
+        model = c.get("/v1/models/first").json()
+        assert model["status"] == "failed"
+        assert model["detail"] == (
+            f"model 'first' (source {tiny_spec.source}) failed to start: RuntimeError: no memory for the K/V pool"
+        )
+        assert c.get("/v1/models/tiny").json()["status"] == "ready"
+        assert c.get("/v1/models/tiny").json()["detail"] is None
+        ready = c.get("/ready")
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["status"] == "degraded"
+        assert ready.json()["models"]["first"] == {"status": "failed", "detail": model["detail"]}
+        assert ready.json()["message"] == f"serving 1 of 2 models; {model['detail']}"
+        err = assert_error(c.post(CHAT, json={"model": "first", "messages": MSG}), 503, "model_failed")
+        assert err["message"] == model["detail"]
+        assert c.post(CHAT, json={"model": "tiny", "messages": MSG, "max_tokens": 2}).status_code == 200
+        assert not c.app.state.host.has_failed
 
 
 def test_ready_is_503_while_a_model_loads(tiny_spec, monkeypatch):

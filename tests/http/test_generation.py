@@ -246,6 +246,7 @@ def test_one_model_object_says_dtype_context_and_kv_size(client):
     assert tiny["kv_layout"] == f"layers=2,kv_heads=2,head_dim={head_dim},dtype=float64"
     assert tiny["weights_digest"] == engine.loaded.digests.weights
     assert tiny["other_replicas"] is None  # no shared store: no other replica to compare with
+    assert (tiny["compiled"], tiny["compile_detail"]) == (False, "not asked (--compile false)")
     missing = client.get("/v1/models/no-such")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"

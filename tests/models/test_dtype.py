@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 import torch
 
 from server.models import dtype as dtype_mod
 from server.models.dtype import choose_dtype, cpu_bf16_flags, turn_ms
+from tests.helpers import DEADLINE_S, wait_until
 from tests.tiny import build_model
 
 CPU = torch.device("cpu")
@@ -86,3 +90,39 @@ def test_a_measurement_is_kept_for_later_starts_on_this_machine(monkeypatch, tmp
     assert choose_dtype("auto", CPU, other, memo).dtype == torch.float32
     memo.write_text("not json")  # a damaged memo is measured anew, never trusted
     assert choose_dtype("auto", CPU, tiny_config(), memo).dtype == torch.float32
+
+
+def test_processes_starting_at_once_measure_once_and_agree(monkeypatch, tmp_path, caplog):
+    """Two loads at once on one cache directory (threads here; the lock is a file lock, so processes alike): one
+    measures, the other waits for it and takes its choice, even where its own measurement would have differed."""
+    monkeypatch.setattr(dtype_mod, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    measuring, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def turn(_config, dt: torch.dtype) -> float:
+        calls.append(threading.current_thread().name)
+        measuring.set()
+        assert release.wait(DEADLINE_S), "the test never let the measurement finish"
+        first = calls[0] == threading.current_thread().name  # the first measures bf16 faster, a second would not
+        return (40.0 if first else 100.0) if dt == torch.bfloat16 else 100.0
+
+    monkeypatch.setattr(dtype_mod, "turn_ms", turn)
+    memo = tmp_path / "cache" / "dtype-choices.json"
+    choices = {}
+
+    def load(name: str) -> None:
+        choices[name] = choose_dtype("auto", CPU, tiny_config(), memo)
+
+    first, second = (threading.Thread(target=load, args=(name,), name=name) for name in "ab")
+    with caplog.at_level(logging.INFO, logger="kvserve.registry"):
+        first.start()
+        assert measuring.wait(DEADLINE_S), "the first never measured"
+        second.start()  # while the first measures
+        wait_until(lambda: "waiting for another process measuring" in caplog.text or len(set(calls)) > 1)
+        release.set()
+        first.join(DEADLINE_S)
+        second.join(DEADLINE_S)
+    assert set(calls) == {"a"}, "measured by both"
+    assert choices["a"].dtype == choices["b"].dtype == torch.bfloat16
+    assert "measured on this machine earlier" in choices["b"].reason

@@ -34,6 +34,7 @@ def model_object(host: ModelHost, model_id: str) -> dict:
         "created": 0,
         "owned_by": "kvserve",
         "status": host.states[model_id].status,
+        "detail": host.states[model_id].detail or None,  # why it failed, or what loading is doing
         "max_model_len": loaded.max_context if loaded else None,
         "dtype": str(loaded.dtype).removeprefix("torch.") if loaded else None,
         "dtype_reason": loaded.dtype_reason if loaded else None,
@@ -42,6 +43,8 @@ def model_object(host: ModelHost, model_id: str) -> dict:
         "kv_dtype": _name(engine.runner.layout.storage_dtype) if engine else None,
         "tier_kv_dtypes": {t: _name(x.storage_dtype) for t, x in engine.offloader.layouts.items()} if engine else None,
         "deterministic": engine.runner.deterministic_detail if engine else None,
+        "compiled": engine.runner.compiled is not None if engine else None,  # what really runs its steps
+        "compile_detail": engine.runner.compile_detail if engine else None,
         **_fingerprint(host, model_id),
     }
 
@@ -55,5 +58,7 @@ def _fingerprint(host: ModelHost, model_id: str) -> dict:
     one last saw them in the shared store (null without one): a replica with another fingerprint shares no K/V."""
     engine = host.engines.get(model_id)
     parts: dict = engine.fingerprint_parts if engine else dict.fromkeys(FINGERPRINT_PARTS)
+    shared = engine.offloader.shared_fingerprint if engine else None  # what its blocks in Redis are addressed by
     board = host.fingerprints
-    return parts | {"other_replicas": board.peers(model_id) if board is not None and engine else None}
+    peers = board.peers(model_id) if board is not None and engine else None
+    return parts | {"shared_kv_fingerprint": shared, "other_replicas": peers}
