@@ -82,8 +82,10 @@ class Server:
         max_open_files: int | None = None,
         args: list[str] | None = None,
         wait: bool = True,
+        max_context: int | None = None,
     ) -> None:
-        """`args`: more `kvserve serve` flags; `wait`: return once /ready answers 200 (else call `wait_ready`)."""
+        """`args`: more `kvserve serve` flags; `wait`: return once /ready answers 200 (else call `wait_ready`);
+        `max_context`: the model's context in tokens, where not its config's."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -94,7 +96,8 @@ class Server:
         if model_dir:  # served under its directory's name, in fp32: `auto` times bf16 against fp32 for the tiny
             # model, a coin flip at its size, and replicas compare their texts (in bf16 the cache may change one)
             models = log_path.with_suffix(".models.toml")
-            models.write_text(f'[[models]]\nid = "{model_dir.name}"\nsource = "{model_dir}"\ndtype = "float32"\n')
+            spec = f'[[models]]\nid = "{model_dir.name}"\nsource = "{model_dir}"\ndtype = "float32"\n'
+            models.write_text(spec + (f"max_context = {max_context}\n" if max_context else ""))
             args += ["--models-file", str(models)]  # else models/models.toml's, the default model
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
 

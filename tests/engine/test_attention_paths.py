@@ -425,3 +425,133 @@ async def test_a_head_kept_laid_out_across_steps_answers_exactly_as_one_laid_out
         assert [(lp.token_id, lp.logprob, lp.top) for lp in kept.logprobs] == [
             (lp.token_id, lp.logprob, lp.top) for lp in per_call.logprobs
         ]
+
+
+def wide_family(family: str, directory: Path):
+    """A tiny model of `family` in bf16 with head size 64 (shapes the prefill kernel serves): Mistral with a window
+    shorter than the prompts, or Gemma-2 with soft-capped scores and alternating windowed layers."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig
+
+    from server.models.loader import ModelSpec
+    from tests.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    shape = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
+    shape |= dict(num_key_value_heads=2, vocab_size=len(tokenizer), initializer_range=0.2)
+    if family == "window":
+        config = MistralConfig(**shape, sliding_window=6)
+    else:
+        config = Gemma2Config(
+            **shape, head_dim=64, sliding_window=6, attn_logit_softcapping=1.0, final_logit_softcapping=None
+        )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return load_model(ModelSpec(id=family, source=str(directory), dtype="bfloat16", device="cpu"), directory)
+
+
+@pytest.mark.parametrize("family", ["window", "softcap"])
+async def test_prefill_chunks_over_an_8_bit_pool_with_windows_or_softcaps_are_spans(family, tmp_path, monkeypatch):
+    """The prefill kernel has neither window nor softcap: on an 8-bit pool too, such layers' chunks are spans,
+    which honour both (on a plain model's 8-bit pool the kernel takes them: tests/kv/test_quantized_kv.py)."""
+    if not kernels.paged_prefill_available(torch.bfloat16, 64):
+        pytest.skip("no AVX512-BF16 build: prefill chunks are spans anyway")
+    loaded = wide_family(family, tmp_path)
+    engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4, max_batch_tokens=8, kv_dtype="int8")
+    assert engine.runner.layout.is_quantized
+    assert not engine.runner.prefill_kernel
+    chunks: list[tuple[int, int]] = []  # per step: (chunks for the prefill kernel, spans)
+    prepare = engine.runner._prepare
+
+    def spy(rows):
+        meta, *rest = prepare(rows)
+        if any(len(r.token_ids) > 1 for r in rows):
+            chunks.append((0 if meta.prefill is None else meta.prefill.q_starts.numel(), len(meta.spans)))
+        return (meta, *rest)
+
+    monkeypatch.setattr(engine.runner, "_prepare", spy)
+    try:
+        result = await run(engine, words(loaded, "The quick brown fox jumps over the lazy dog. " * 8), max_tokens=2)
+    finally:
+        engine.stop()
+    assert result.error is None
+    assert len(chunks) > 2  # the prompt, in chunks of 8 tokens
+    assert all(by_kernel == 0 and spans == 1 for by_kernel, spans in chunks), chunks
+
+
+async def test_rows_behind_one_cached_prefix_of_an_8_bit_pool_take_no_head(tiny, monkeypatch):
+    """Cascade heads read the pool's rows as they are (flash attention, or the kernel's layout): never an 8-bit
+    pool's, whose rows each kernel row dequantizes as it reads them. Every long decode row goes to the kernel
+    whole, and each conversation's ids are those it gets alone on a fresh 8-bit pool."""
+    monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 8)  # every decode row here is long: heads, were they used
+    engine = make_engine(tiny, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256, kv_dtype="int8")
+    if not engine.runner.uses_kernel:
+        engine.stop()
+        pytest.skip("no C++ compiler: every row is an SDPA call")
+    assert not engine.runner.uses_heads
+    steps: list[tuple[int, int, int]] = []  # decode-only steps: (heads, kernel rows, spans)
+    prepare = engine.runner._prepare
+
+    def spy(rows):
+        meta, *rest = prepare(rows)
+        if all(len(r.token_ids) == 1 for r in rows):
+            decode = meta.decode
+            heads, kernel_rows = (0, 0) if decode is None else (len(decode.heads), decode.rows.numel())
+            steps.append((heads, kernel_rows, len(meta.spans)))
+        return (meta, *rest)
+
+    monkeypatch.setattr(engine.runner, "_prepare", spy)
+    system = words(tiny, "You are a terse assistant who answers in one word. " * 3)
+    prompts = [system + words(tiny, tail) for tail in ("Paris is", "Rome was", "The sea")]
+    fresh = make_engine(tiny, budget_bytes=4 << 20, block_size=4, kv_dtype="int8")
+    try:
+        await run(engine, system, rid="warm", max_tokens=1)  # caches the shared prefix's blocks
+        got = await asyncio.gather(
+            *(run(engine, p, rid=f"r{i}", max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts))
+        )
+        alone = [await run(fresh, p, max_tokens=8, ignore_eos=True, use_cache=False) for p in prompts]
+    finally:
+        engine.stop()
+        fresh.stop()
+    assert max(rows for _, rows, _ in steps) == 3  # the three conversations decoded side by side ...
+    assert all(heads == 0 and spans == 0 for heads, _, spans in steps), steps  # ... every row by the kernel, whole
+    for result, reference in zip(got, alone, strict=True):
+        assert result.token_ids == reference.token_ids
+
+
+@pytest.mark.parametrize("way", [model_runner.KERNEL, model_runner.SDPA])
+async def test_prefill_chunks_go_the_way_timed_faster_at_start(wide_heads_bf16, monkeypatch, way):
+    """Where the prefill kernel serves the pool, chunks go the way the start-up timing found faster."""
+    from server.kv.routing import PrefillRoute
+
+    if not kernels.paged_prefill_available(torch.bfloat16, 64):
+        pytest.skip("no AVX512-BF16 build: prefill chunks are spans, nothing is timed")
+    timed: list[str] = []
+
+    def time_prefill(pool, num_heads):
+        timed.append(way)
+        other = model_runner.SDPA if way == model_runner.KERNEL else model_runner.KERNEL
+        return PrefillRoute(way, {way: 1.0, other: 2.0})
+
+    monkeypatch.setattr(model_runner, "time_prefill", time_prefill)
+    loaded, _ = wide_heads_bf16
+    engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4, max_batch_tokens=8)
+    calls: list[int] = []  # steps with chunks: how many the prefill kernel took
+    prepare = engine.runner._prepare
+
+    def spy(rows):
+        meta, *rest = prepare(rows)
+        if any(len(r.token_ids) > 1 for r in rows):
+            calls.append(0 if meta.prefill is None else meta.prefill.q_starts.numel())
+        return (meta, *rest)
+
+    monkeypatch.setattr(engine.runner, "_prepare", spy)
+    try:
+        result = await run(engine, words(loaded, "The quick brown fox jumps over the lazy dog. " * 8), max_tokens=1)
+    finally:
+        engine.stop()
+    assert timed == [way]
+    assert engine.runner.prefill_kernel == (way == model_runner.KERNEL)
+    assert result.error is None
+    assert len(calls) > 2
+    assert all(n == (1 if way == model_runner.KERNEL else 0) for n in calls), calls

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,9 +20,11 @@ from server.kv.attention import StepMeta, current_step, stepping
 from server.kv.pool import KVLayout, KVPool
 from server.models.loader import load_model
 from server.models.packed_linear import PackedLinear
-from tests.engine.test_families import FAMILIES, SOFTCAP, save_family
+from tests.engine.test_families import FAMILIES, hf_reference, save_family
 from tests.helpers import make_engine, reference_greedy, run
 from tests.tiny import build_tokenizer
+
+FINAL_SOFTCAP = 2.0  # not 1: there tanh(x) * cap would equal tanh(x / cap) * cap
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +43,9 @@ def ids(tiny, text: str) -> list[int]:
     return tiny.tokenizer(text)["input_ids"]
 
 
+# Inductor builds two graphs of some ten C++ kernels each (gcc, -O3): about 100 s on an idle 2-core machine, well
+# past pytest's 300 s default under load; nothing here waits on a clock, so the bound only stops a real hang.
+@pytest.mark.timeout(1800)
 async def test_the_compiled_model_answers_as_hf_generate(tiny, tmp_path, monkeypatch):
     monkeypatch.delenv(CACHE_ENV, raising=False)  # restored after the test: the engine sets its own
     engine = make_engine(tiny, block_size=4, compile_dir=str(tmp_path))
@@ -106,24 +112,66 @@ async def test_a_model_that_fails_to_compile_serves_eager(tiny, tmp_path, monkey
         engine.stop()
 
 
-def test_a_model_is_compiled_only_where_the_head_is_a_linear_layer_and_a_softcap(tmp_path):
-    """Gemma-2's final logit softcap is applied after the compiled decoder; a head that does more is caught at start."""
-    tokenizer = build_tokenizer()
+def gemma2_final_softcap(directory: Path):
+    """The Gemma-2 family's tiny model (windowed, soft-capped attention) with a final logit softcap too, in fp64."""
     family = FAMILIES["gemma2-softcap"]
-    FAMILIES["gemma2-final-softcap"] = lambda: dataclasses.replace(family(), final_logit_softcapping=SOFTCAP)
+    FAMILIES["gemma2-final-softcap"] = lambda: dataclasses.replace(family(), final_logit_softcapping=FINAL_SOFTCAP)
     try:
-        loaded = load_model(save_family("gemma2-final-softcap", tokenizer, tmp_path / "gemma2"), tmp_path)
+        return load_model(save_family("gemma2-final-softcap", build_tokenizer(), directory), directory)
     finally:
         del FAMILIES["gemma2-final-softcap"]
+
+
+def test_a_model_is_compiled_only_where_the_head_is_a_linear_layer_and_a_softcap(tmp_path):
+    """Gemma-2's final logit softcap is applied after the compiled decoder; a head that does more is caught at start."""
+    loaded = gemma2_final_softcap(tmp_path / "gemma2")
     gemma2 = CompiledModel(loaded.model, tmp_path, "gemma2")  # compiling is lazy: nothing is built here
-    assert gemma2.softcap == SOFTCAP
+    assert gemma2.softcap == FINAL_SOFTCAP
     assert gemma2.head_matches()
+    row = torch.tensor([ids(loaded, "The quick brown fox jumps over the lazy dog.")])
+    sampled = torch.tensor([0, 4, row.shape[1] - 1])
+    with torch.inference_mode():  # the sampled rows' logits, as the model's own forward caps them
+        hidden = gemma2.body(input_ids=row, use_cache=False).last_hidden_state
+        expected = loaded.model(input_ids=row, use_cache=False).logits[0].index_select(0, sampled)
+        got = gemma2._logits(hidden, sampled)  # the head on 3 rows, not 18: sums may part in the last bits
+    assert torch.allclose(got, expected, rtol=0, atol=1e-12), (got - expected).abs().max()
+    assert expected.abs().max() > 0.5 * FINAL_SOFTCAP  # the cap bites: another cap would show
     gemma2.softcap = None  # as if the head's transform were unknown to us
     assert not gemma2.head_matches()
-    llama = load_model(save_family("llama", tokenizer, tmp_path / "llama"), tmp_path)
+    llama = load_model(save_family("llama", build_tokenizer(), tmp_path / "llama"), tmp_path)
     llama = CompiledModel(llama.model, tmp_path, "llama")
     assert llama.softcap is None
     assert llama.head_matches()
+
+
+async def test_a_softcapping_model_is_compiled_and_answers_as_its_own_forward(tmp_path, monkeypatch):
+    """The runner compiles a model whose head caps its logits (the head check passes), and each sampled token's
+    log-probabilities are the capped ones. Traced by dynamo, run by its eager backend: inductor's code generation
+    (the slow part, test_the_compiled_model_answers_as_hf_generate's) adds nothing to what is checked here."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    monkeypatch.delenv(CACHE_ENV, raising=False)  # restored after the test: the engine sets its own
+    loaded = gemma2_final_softcap(tmp_path / "gemma2")
+    torch._dynamo.reset()
+    engine = make_engine(loaded, block_size=4, compile_dir=str(tmp_path))
+    try:
+        compiled = engine.runner.compiled
+        assert compiled is not None, "the softcapping model was not compiled"
+        assert compiled.softcap == FINAL_SOFTCAP
+        prompt = ids(loaded, "The quick brown fox jumps over")
+        result = await run(engine, prompt, max_tokens=6, ignore_eos=True, num_logprobs=3)
+        assert compiled.num_graph_steps == compiled.num_steps >= 6
+        assert compiled.num_eager_steps == 0
+    finally:
+        engine.stop()
+        torch._dynamo.reset()
+    reference = hf_reference(tmp_path / "gemma2")  # transformers' own eager attention and softcap
+    transcript = prompt + result.token_ids
+    with torch.inference_mode():
+        want = torch.log_softmax(reference(torch.tensor([transcript[:-1]])).logits[0, len(prompt) - 1 :], -1)
+    for step, got in enumerate(result.logprobs):
+        assert got.token_id == int(want[step].argmax())
+        for token, logprob in got.top:
+            assert abs(logprob - float(want[step, token])) < 1e-6, (step, token)
 
 
 def test_inductor_caches_where_the_environment_says_else_in_our_cache_directory(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from server.engine import threads
@@ -35,3 +36,17 @@ def test_the_engine_thread_computes_with_the_compute_threads(tiny, monkeypatch):
         assert ask(engine, torch.get_num_threads) == want
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("given", ["0", "-2", "two", ""])
+def test_a_count_that_is_no_positive_number_is_refused_for_the_cpus_this_process_may_use(monkeypatch, given):
+    """KVSERVE_COMPUTE_THREADS=0 (or OMP_NUM_THREADS=0 at start) is no thread count: torch would be told 0."""
+    monkeypatch.setattr(threads, "_usable_cpus", lambda: 5)
+    monkeypatch.setenv(threads.COMPUTE_THREADS_ENV, given)
+    assert threads.compute_threads() == 5
+    monkeypatch.delenv(threads.COMPUTE_THREADS_ENV)
+    monkeypatch.setenv("OMP_NUM_THREADS", given)
+    threads.confine_to_one_team()
+    assert threads.os.environ[threads.COMPUTE_THREADS_ENV] == "5"
+    assert threads.compute_threads() == 5
+    assert threads.os.environ["OMP_NUM_THREADS"] == "1"

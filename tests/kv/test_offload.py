@@ -247,6 +247,35 @@ def test_forgetting_a_session_never_drops_a_block_of_another():
     assert manager.match("default", kept, 6).num_tokens == 6
 
 
+# (the deleted transcript, another of the tenant's, tokens of the deleted one's K/V left cached, blocks left cached)
+FORGET_CASES = {
+    "a prefix of another": ([1, 2, 3, 4, 5, 6], [*range(1, 11)], 5, 2),
+    "another ends inside its block": ([*range(1, 11)], [1, 2, 3, 4, 5, 6], 6, 2),
+    "shares whole blocks": ([*range(1, 14)], [*range(1, 9), 20, 21], 8, 2),
+    "shares nothing": ([*range(1, 10)], [50, 51], 0, 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGET_CASES))
+def test_forgetting_a_session_drops_exactly_what_no_other_transcript_reaches(case):
+    """The deleted session's K/V leaves the pool but for what another transcript of its tenant reaches: all of it
+    when it is a prefix of the other, whole shared blocks, and the part of a block the other ends inside."""
+    gone, other, num_left, blocks_left = FORGET_CASES[case]
+    manager, store = BlockManager(16, BLOCK), SessionStore(ttl_s=3600)
+    for name, ids in (("gone", gone), ("other", other)):
+        session = store.acquire(SessionKey("default", name), "m")
+        store.release(session, CompletedTurn(ids, "", "stop", Usage(len(ids), 0, 0), None))
+    held = fill(manager, "default", gone[:-1])  # the deleted session's K/V, as its turn left it (the last token's
+    manager.release(held)  # is computed by the next turn), idle and cached; the other's is not in the pool
+    assert store.delete(SessionKey("default", "gone"))
+    tiers = TierStore(0, 0, None, block_size=BLOCK)
+    Offloader(None, manager, store, tiers, "m", "fp").discard_forgotten()  # type: ignore[arg-type]
+    assert manager.match("default", gone, len(gone) - 1).num_tokens == num_left
+    assert manager.num_free == manager.num_blocks - blocks_left
+    reached = min(num_left, len(other) - 1)
+    assert manager.match("default", other, len(other) - 1).num_tokens == reached  # the other finds all it reaches
+
+
 @pytest.mark.parametrize("pool_kv_dtype", [None, torch.int8], ids=["compute", "int8"])
 def test_a_snapshot_fits_the_pool_when_this_model_computed_it_as_the_pool_does_however_it_is_stored(pool_kv_dtype):
     """What the scheduler asks before it restores a snapshot: another model's K/V, or K/V computed in another dtype

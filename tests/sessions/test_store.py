@@ -561,3 +561,26 @@ def test_a_read_of_the_shared_store_older_than_a_commit_here_is_not_adopted():
     reading.join(60)
     assert store.transcript(key("s")) == [1, 2, 3, 4]  # the older read did not roll turn 2 back
     assert store.view(key("s")).num_turns == 2
+
+
+def test_after_redis_lost_its_data_idle_copies_go_and_one_in_use_is_left_to_its_turn(redis_server, tmp_path):
+    """Redis lost its data (a flush, a restart without persistence): idle copies of the old epoch go at once; one in
+    use stays, so its turn is refused by the shared store (never told done while nothing holds it) and it goes when
+    next read."""
+    from server.sessions.errors import SessionError
+    from server.sessions.leases import LocalLeases
+    from server.sessions.shared import SharedRecords
+
+    store = SessionStore(3600, Journal(tmp_path), leases=LocalLeases(), shared=SharedRecords(redis_server.url))
+    complete(store, "idle", [1, 2])
+    running = store.acquire(key("busy"), "m")
+    redis_server.client.flushall()
+    epoch = store.shared.state.read_epoch(store.shared.client)  # a new epoch, as the lease renewer finds it
+    assert store.drop_other_epochs(epoch) == 1
+    assert store.session_keys() == {key("busy")}
+    assert not store.journal.path_for(key("idle")).exists()
+    assert store.is_live(key("busy"), running)
+    with pytest.raises(SessionError):  # committed on top of a record Redis no longer holds: refused
+        store.release(running, turn([3, 4]))
+    assert store.view(key("busy")) is None  # read again: Redis holds nothing of it
+    assert store.drop_other_epochs(epoch) == 0
