@@ -230,17 +230,18 @@ class SessionStore:
 
     def release(self, session: Session, turn: CompletedTurn | None = None) -> None:
         """Give the session back; a completed `turn` is journaled, then applied, before this returns. Raises
-        StateUnavailable (disk full...) with the session as it was before the turn, and released. A prefill-only
-        request (it generated nothing) made no turn: the record stays as it was."""
+        StateUnavailable (disk full...) with the session as it was before the turn, and released: one this request
+        made goes, as if never asked for (not with replicas). A prefill-only request (it generated nothing) made no
+        turn: the record stays as it was."""
         staged = None
         has_failed = turn is None  # failed or cancelled; a prefill-only request did what it was asked
         if turn is not None and turn.is_prefill_only:
             turn = None
+        is_claim, session.is_claim = session.is_claim, False  # its first request ends here, one way or another
         try:
             if turn is not None:
                 staged = self._journal_turn(session, turn)  # on disk before the client hears the turn ended
         finally:
-            is_claim, session.is_claim = session.is_claim, False  # its first request has ended, one way or another
             with self._table.lock:
                 is_live = self._table.sessions.get(session.key) is session
                 if staged is not None and is_live:
@@ -256,8 +257,10 @@ class SessionStore:
             if staged is None and self.shared is not None and not session.key.is_bucket and not is_claim:
                 self.shared.touch(session.key, session.ttl_s)
             self.leases.give_back(session.key)  # after the turn is journaled
-        if has_failed and is_claim:
-            self._drop_unclaimed(session)
+            # A first request that made no turn (it failed, or its turn could not be saved: then this runs while
+            # StateUnavailable goes up) leaves no empty session behind, counted toward the tenant's quota.
+            if is_claim and staged is None and (has_failed or turn is not None):
+                self._drop_unclaimed(session)
 
     def _journal_turn(self, session: Session, turn: CompletedTurn) -> Session:
         """The session with `turn` applied, committed to the shared store (outside the store's lock: it may wait
