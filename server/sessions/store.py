@@ -271,7 +271,7 @@ class SessionStore:
             staged.rev, staged.op = session.rev + 1, new_op()
             if self._table.sessions.get(session.key) is not session:
                 return staged  # deleted meanwhile: its state belongs to nobody
-        self._commit_shared(staged, expected_op=session.op)
+        self._commit_shared(staged, expected_op=session.op, change="this turn")
         with self._table.lock:
             if self._table.sessions.get(session.key) is session:
                 self._journal_save(staged)
@@ -415,11 +415,15 @@ class SessionStore:
         self._commit_shared(staged, expected_op)
         self._journal_save(staged)
 
-    def _commit_shared(self, staged: Session, expected_op: str) -> None:
-        """With replicas: commit `staged` (its op) on top of `expected_op`, stamped with Redis' epoch."""
+    def _commit_shared(self, staged: Session, expected_op: str, change: str = "a change") -> None:
+        """With replicas: commit `staged` (its op) on top of `expected_op`, in the epoch that record was read in (a
+        new record: Redis' epoch now). Stamped with the epoch now, a change to a record Redis lost meanwhile would
+        pass the epoch check once any thread had read the new epoch, find no record, and be refused as another
+        replica's change (409) instead of SharedStoreLost (503: what happened)."""
         if self.shared is not None and not staged.key.is_bucket:
-            staged.epoch = self.shared.epoch()
-            self.shared.save(staged.key, staged.to_record(), expected_op)
+            if not expected_op or not staged.epoch:  # "": a copy journaled before records named their epoch
+                staged.epoch = self.shared.epoch()
+            self.shared.save(staged.key, staged.to_record(), expected_op, change)
 
     def _journal_save(self, staged: Session) -> None:
         """One process: the journal is the truth, so a change it refuses is not applied (StateUnavailable).

@@ -556,7 +556,7 @@ class BlockingShared:
             assert self.load_gate.wait(60), "the test never let the read answer"
         return found
 
-    def save(self, key, record, expected_op):
+    def save(self, key, record, expected_op, change="a change"):
         current = self.records.get(key, {}).get("op", "")
         if current != expected_op:
             raise SessionBusy("moved on")
