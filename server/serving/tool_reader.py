@@ -1,9 +1,15 @@
-"""Reading tool calls out of a reply, as it streams or whole (the same calls, the same ids, either way)."""
+"""Reading tool calls out of a reply, as it streams or whole (the same calls, the same ids, either way).
+
+A forced reply with parallel calls ends at the first call that repeats an earlier one (same function, same
+arguments): that call is dropped, and the engine stops the reply there (`Reading.watch`), since a model that
+repeats a call once repeats it until max_tokens.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +43,7 @@ class ToolReader:
     calls: list[ToolCall] = field(default_factory=list)
     content: str = ""  # sent as content so far
     is_cut: bool = False  # the last call's arguments are unfinished: the reply ended inside its block
+    is_repeated: bool = False  # a forced reply repeated a call: it ended there, and nothing after counts
     _held: str = ""  # not sent yet: a possible call's start, or the call blocks being read
     _since_first_call: str = ""  # everything from the first call's start: content after all if no call parses
     _in_calls: bool = False
@@ -116,9 +123,12 @@ class ToolReader:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
             return []
         arguments = obj.get("arguments", obj.get("parameters", {}))
-        if not isinstance(arguments, dict) or (self.calls and not self.tools.parallel):
+        if not isinstance(arguments, dict) or (self.calls and not self.tools.parallel) or self.is_repeated:
             return []
         call = tool_call(call_id(self.request_id, len(self.calls)), obj["name"], arguments)
+        if self.tools.is_forced and any(c["function"] == call["function"] for c in self.calls):
+            self.is_repeated = True  # looping: the reply ends here (the engine stops it: Reading.watch)
+            return []
         self.calls.append(call)
         return [call]
 
@@ -127,7 +137,7 @@ class ToolReader:
         far (whole ones, when only the block's end is missing, are canonical like any call's)."""
         assert self.tools is not None
         match = NAME_FIRST.match(text)
-        if match is None or (self.calls and not self.tools.parallel):
+        if match is None or (self.calls and not self.tools.parallel) or self.is_repeated:
             return []
         try:
             name = json.loads(f'"{match.group(1)}"')
@@ -183,6 +193,26 @@ class Reading:
 
     def reply(self, text: str) -> ChatMessage:
         return read_reply(text, self.tools, self.style, self.request_id)
+
+    @property
+    def watches_repeats(self) -> bool:
+        """A forced reply that may hold several calls: the engine ends it at the first repeated one (`watch`)."""
+        return self.tools is not None and self.tools.is_forced and self.tools.parallel
+
+    def watch(self) -> Callable[[str], bool]:
+        """For the engine: fed the reply's text piece by piece, True once a call repeated an earlier one (the
+        reply ends there; its readers drop that call). Re-reads the reply only when a piece may close a call."""
+        pieces: list[str] = []
+
+        def is_over(piece: str) -> bool:
+            pieces.append(piece)
+            if ">" not in piece and "}" not in piece:  # no call block or JSON call closed in this piece
+                return False
+            reader = self.reader()
+            reader.read_all("".join(pieces))
+            return reader.is_repeated
+
+        return is_over
 
 
 def _partial_suffix(text: str, marker: str) -> int:

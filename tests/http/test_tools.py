@@ -359,3 +359,35 @@ def test_a_forced_call_to_a_tool_with_defs_resolves_its_refs(client):
     body = ask(client, messages=user("Where?"), seed=1, tools=[tool], tool_choice="required", parallel_tool_calls=False)
     (call,) = body["choices"][0]["message"]["tool_calls"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), parameters)
+
+
+CLOCK = {"type": "function", "function": {"name": "now", "description": "The time"}}  # no parameters: {} only
+CLOCK_CALL = '<tool_call>\n{"name":"now","arguments":{}}\n</tool_call>'  # so each call the grammar allows is this
+
+
+def test_a_forced_reply_that_repeats_a_call_ends_there(client, tiny):
+    """Sampled, the tiny model sometimes writes the forced call to a function without parameters two or three times
+    (each repeat identical: the grammar allows nothing else). The reply ends at the first repeat, which is not one
+    of its calls, streamed or whole, and the session records what the client got."""
+    num_repeats = 0
+    for seed in range(8):
+        body = {
+            "messages": user("What time is it?"), "tools": [CLOCK], "tool_choice": "required", "seed": seed,
+            "max_tokens": 300, "session_id": f"clock-{seed}",
+        }  # fmt: skip
+        choice = ask(client, **body)["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "now", "arguments": "{}"}]
+        session = client.app.state.host.store.view(SessionKey("default", f"clock-{seed}"))
+        assert session.messages[-1]["tool_calls"] == choice["message"]["tool_calls"]
+        generated = tiny.tokenizer.decode(session.transcript_ids[session.turns[0].end :], skip_special_tokens=True)
+        generated = generated[generated.index(CLOCK_CALL) :]  # the transcript's reply, after the prompt's end
+        assert generated in (CLOCK_CALL, CLOCK_CALL + "\n" + CLOCK_CALL), (seed, generated)  # never on past a repeat
+        num_repeats += generated != CLOCK_CALL
+        with client.stream(
+            "POST", CHAT, json={"model": "tiny", "temperature": 1.0, **body, "session_id": None, "stream": True}
+        ) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        streamed = [p for c in chunks for p in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert [p["function"]["name"] for p in streamed if "name" in p.get("function", {})] == ["now"]
+    assert num_repeats, "no seed repeated the call: nothing was shown"
