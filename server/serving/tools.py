@@ -33,6 +33,7 @@ from server.openai.responses import ResponseRequest
 from server.sessions.chat import ChatMessage, ToolCall
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"  # how the generic prompt wraps a tool result
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 PYTHON_TAG = "<|python_tag|>"
 GENERIC_PROMPT = (
@@ -106,6 +107,7 @@ def responses_tool_use(req: ResponseRequest) -> ToolUse | None:
 class ToolFormat:
     native: bool  # the chat template renders tools and tool messages itself
     style: str  # hermes | llama3_json: how the model writes a call
+    wraps_results: bool = True  # tool results reach the prompt inside <tool_response> tags (generic prompt, Qwen...)
 
 
 def chat_template(tokenizer: Any, tools: ToolUse | None) -> str | None:
@@ -144,7 +146,7 @@ def tool_format(template: str | None) -> ToolFormat:
         if native and (PYTHON_TAG in text or '"parameters"' in text) and CALL_OPEN not in text
         else "hermes"
     )
-    return ToolFormat(native, style)
+    return ToolFormat(native, style, not native or RESPONSE_OPEN in text)
 
 
 def canonical_arguments(arguments: str | dict[str, Any]) -> str:
@@ -211,7 +213,7 @@ def _native(message: ChatMessage) -> Mapping[str, Any]:
 
 def _generic(message: ChatMessage) -> ChatMessage:
     if message["role"] == "tool":
-        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+        return {"role": "user", "content": f"{RESPONSE_OPEN}\n{message['content']}\n{RESPONSE_CLOSE}"}
     if "tool_calls" not in message:
         return message
     blocks = [_call_block(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 
+import httpx
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
@@ -391,3 +392,34 @@ def test_a_forced_reply_that_repeats_a_call_ends_there(client, tiny):
         streamed = [p for c in chunks for p in c["choices"][0]["delta"].get("tool_calls", [])]
         assert [p["function"]["name"] for p in streamed if "name" in p.get("function", {})] == ["now"]
     assert num_repeats, "no seed repeated the call: nothing was shown"
+
+
+@pytest.mark.e2e
+def test_after_a_tool_result_the_default_models_echo_of_it_never_reaches_the_client(default_model):
+    """Given a tool result, SmolLM2 answers by copying it in the generic prompt's <tool_response> tags: that is the
+    model imitating its prompt, not an answer. Whole or streamed, and in the session's record, the block is gone,
+    and the next turn still continues the transcript token-exactly."""
+    base, model = default_model
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["function"]["parameters"]}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear", "temp_c": 21}'},
+    ]
+    body = {"model": model, "temperature": 0, "max_tokens": 40, "messages": messages, "tools": [tool]}
+    sid = "echoed-result"
+    r = httpx.post(base + CHAT, json=body, headers={"X-Session-ID": sid}, timeout=300)
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]
+    assert "tool_response" not in (answer["content"] or "")
+    with httpx.stream("POST", base + CHAT, json={**body, "stream": True}, timeout=300) as streamed:
+        chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == (answer["content"] or "")
+    record = httpx.get(f"{base}/v1/sessions/{sid}").json()
+    next_turn = [*messages, answer, {"role": "user", "content": "Thanks"}]
+    again = httpx.post(
+        base + CHAT, json={**body, "messages": next_turn, "max_tokens": 2}, headers={"X-Session-ID": sid}, timeout=300
+    )
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == record["transcript_tokens"] - 1

@@ -201,6 +201,49 @@ def test_numbers_past_a_float_and_non_json_constants_never_break_an_answer():
         assert tool_input(f'{{"b":1,"a":{number}}}') == {}  # text that is no JSON gives no input
 
 
+# -- a tool response the model writes is never content ----------------------------------------
+ECHO = 'It is <tool_response>\n{"sky": "clear", "temp": 21}\n</tool_response> sunny.'
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None, ToolUse(TOOLS.specs, choice="none")], ids=["tools", "none", "off"])
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        (ECHO, "It is  sunny."),
+        ("<tool_response>\n{}\n</tool_response>", ""),  # a reply that only imitates a tool result: no answer
+        ("Sunny. <tool_response>\n{}\n</tool_resp", "Sunny. "),  # ended inside it: none of it
+        ("a <tool_response>x</tool_response> b <tool_response>y</tool_response>", "a  b "),
+        ("<tool_respon is not a tag", "<tool_respon is not a tag"),
+        ("a </tool_response> b", "a </tool_response> b"),  # a closing tag alone hides nothing
+    ],
+)
+def test_a_tool_response_the_model_writes_is_dropped_in_every_split(tools, text, content):
+    for streamed_content, calls, message in split_everywhere(lambda: ToolReader(tools, "hermes", "r", True), text):
+        assert streamed_content == content
+        assert not calls
+        assert message == read_reply(text, tools, "hermes", "r", True) == {"role": "assistant", "content": content}
+
+
+def test_a_tool_response_beside_a_call_is_dropped_and_the_call_read():
+    text = '<tool_response>{"a": 1}</tool_response>Again: ' + WHOLE
+    for content, calls, message in split_everywhere(lambda: ToolReader(TOOLS, "hermes", "r", True), text):
+        assert content == "Again: "
+        assert [c["function"]["arguments"] for c in calls] == ['{"a":1}']
+        assert message == read_reply(text, TOOLS, "hermes", "r", True)
+
+
+def test_a_tool_response_is_content_where_the_prompt_holds_none():
+    assert read_reply(ECHO, TOOLS, "hermes", "r") == {"role": "assistant", "content": ECHO}
+    generic = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tokenizer = SimpleNamespace(chat_template=generic, all_special_ids=[], added_tokens_decoder={})
+    tokenizer.convert_tokens_to_ids = lambda token: None
+    result = [{"role": "tool", "tool_call_id": "c", "content": "{}"}]
+    assert Reading.of(tokenizer, TOOLS, "r", [{"role": "user", "content": "Hi"}, *result]).hides_responses
+    assert not Reading.of(tokenizer, TOOLS, "r", [{"role": "user", "content": "Hi"}]).hides_responses
+    llama = SimpleNamespace(**{**vars(tokenizer), "chat_template": '{{ tools }} "parameters" <|python_tag|> ipython'})
+    assert not Reading.of(llama, TOOLS, "r", result).hides_responses  # its template wraps results otherwise
+
+
 # -- a forced reply that repeats a call ends there ---------------------------------------------
 def test_a_forced_reply_ends_at_its_first_repeated_call():
     other = '<tool_call>{"name":"add","arguments":{"a":2}}</tool_call>'
