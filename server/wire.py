@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -15,6 +15,8 @@ SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_TOOLS = 128
 Unused = SkipJsonSchema[Any]  # accepted with its "not used" value, never documented as a feature
+MAX_STOP = 16  # stop sequences a request may give (OpenAI's 4 is too few for some clients' chat formats)
+MAX_STOP_CHARS = 256
 
 
 SURROGATE = re.compile("[\ud800-\udfff]")
@@ -69,3 +71,46 @@ def only_kinds(allowed: tuple[str | None, ...], what: str, why: str) -> Callable
         return value
 
     return check
+
+
+def check_stop(value: Any, is_list_only: bool = False) -> Any:
+    """A before-validator of stop sequences (chat and completions' `stop`, Messages' `stop_sequences`): the rule a
+    value breaks, by name. Left to pydantic, a union of a string and a list answers every bad value with its first
+    member's complaint ("Input should be a valid string"), whatever was wrong."""
+    if value is None:
+        return value
+    if isinstance(value, str) and not is_list_only:
+        items, what = [value], "the stop sequence"
+    elif isinstance(value, list):
+        items, what = value, "stop sequence {index}"
+        if len(items) > MAX_STOP:
+            raise PydanticCustomError(
+                "stop_sequences",
+                "at most {limit} stop sequences are allowed, not {count}",
+                {"limit": MAX_STOP, "count": len(items)},
+            )
+    else:
+        shape = "a list of strings" if is_list_only else "a string or a list of strings"
+        raise PydanticCustomError("stop_sequences", f"stop sequences must be {shape}")
+    for index, item in enumerate(items):
+        name = what.format(index=index)
+        if not isinstance(item, str):
+            raise PydanticCustomError(
+                "stop_sequences", f"{name} is not a string (each is a string of 1-{MAX_STOP_CHARS} characters)"
+            )
+        if not item:
+            raise PydanticCustomError("stop_sequences", f"{name} is empty (each is 1-{MAX_STOP_CHARS} characters)")
+        if len(item) > MAX_STOP_CHARS:
+            raise PydanticCustomError(
+                "stop_sequences",
+                f"{name} is {{length}} characters long; at most {MAX_STOP_CHARS} are allowed",
+                {"length": len(item)},
+            )
+    return value
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP)]
+# The types say the rule in the OpenAPI document; `check_stop` enforces it first, and names what broke it.
+Stop = Annotated[StopString | StopList | None, BeforeValidator(check_stop)]
+StopSequences = Annotated[StopList | None, BeforeValidator(lambda value: check_stop(value, is_list_only=True))]

@@ -8,7 +8,16 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from server.wire import FUNCTION_NAME, MAX_TOOLS, SESSION_ID_PATTERN, Unused, WireModel, only_kinds, reject_unsupported
+from server.wire import (
+    FUNCTION_NAME,
+    MAX_TOOLS,
+    SESSION_ID_PATTERN,
+    StopSequences,
+    Unused,
+    WireModel,
+    only_kinds,
+    reject_unsupported,
+)
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 UNSUPPORTED: dict[str, tuple[Any, ...]] = dict.fromkeys(
@@ -199,7 +208,7 @@ class Metadata(BaseModel):
 
 class MessagesRequest(Conversation):
     max_tokens: int = Field(..., ge=0, description="0: compute and cache the prompt, generate nothing")
-    stop_sequences: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(None, max_length=16)
+    stop_sequences: StopSequences = None
     stream: bool = False
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -29,7 +29,7 @@ from server.engine.threads import use_compute_threads
 from server.kv.blocks import BlockManager
 from server.kv.offload import Offloader
 from server.models.loader import LoadedModel
-from server.sessions.errors import SessionError, SharedStoreUncertain
+from server.sessions.errors import SessionError, SharedStoreLost, SharedStoreUncertain
 from server.sessions.record import CompletedTurn, Session
 from server.sessions.store import SessionStore
 
@@ -305,7 +305,7 @@ class EngineLoop:
         the committer's: pool work then goes back to the engine thread as errands."""
         try:
             self.store.release(session, turn)  # releases the session even when journaling raises
-        except SharedStoreUncertain as exc:  # neither "done" nor "as before": the client is told exactly that
+        except (SharedStoreUncertain, SharedStoreLost) as exc:  # not "as before": the client is told what happened
             log.error("request %s: %s", seq.request.request_id, exc.message)
             event = Failed(exc.code, exc.message)
         except SessionError as exc:  # 503 or 409: the client hears the turn did not happen, and it did not

@@ -50,6 +50,9 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None = None  # chat: the tool definitions the prompt renders (kept in the record)
     reply: Callable[[str], ChatMessage] | None = None  # chat: the reply's text -> the message the record keeps
     shown_special_ids: frozenset[int] = frozenset()  # special tokens kept in the text: tool-call tags to read
+    # Makes the request's own judge of its reply: fed each piece of text as it is released, True ends the reply
+    # there ("stop", its text kept), as a stop string would (a forced reply that repeats a call: it is looping).
+    reply_watch: Callable[[], Callable[[str], bool]] | None = None
 
     @property
     def is_prefill_only(self) -> bool:

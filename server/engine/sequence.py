@@ -51,6 +51,7 @@ class Sequence:
         self.sampler = Sampler(params, request.prompt_ids, loaded.vocab_size, loaded.device)
         self.detok = Detokenizer(loaded.tokenizer, params.stop, request.shown_special_ids)
         self.constraint = request.constraint
+        self._is_reply_over = request.reply_watch() if request.reply_watch is not None else None
         # A grammar that is done allows only the end of sequence: it ends the reply even with ignore_eos.
         ends = set() if params.ignore_eos and self.constraint is None else set(loaded.eos_ids)
         self._stop_ids = set(params.stop_token_ids) | ends
@@ -91,6 +92,8 @@ class Sequence:
             text, is_stopped = self.detok.add(token_id)
             if is_stopped:
                 self.finish_reason = "stop"
+            elif text and self._is_reply_over is not None and self._is_reply_over(text):
+                text, self.finish_reason = text + self.detok.flush(), "stop"
             elif self._is_at_length_limit():
                 text, self.finish_reason = text + self.detok.flush(), "length"
         self._pending_ids.append(token_id)

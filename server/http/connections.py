@@ -23,6 +23,8 @@ log = logging.getLogger("kvserve.connections")
 RESERVED_DESCRIPTORS = 128  # model files, state files, pipes, threads: what the process needs besides sockets
 ACCEPT_ERROR_INTERVAL_S = 10.0
 MAX_CONNECTIONS_UNLIMITED = 65_536  # with no limit on open files: still a bound
+# In a request's scope["state"]: the status uvicorn itself sent for it, past the application (the gate logs that).
+SENT_BY_SERVER = "kvserve.sent_by_server"
 
 
 def raise_descriptor_limit() -> int:
@@ -108,6 +110,15 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is None or self.cycle.response_complete:
             self._arm()  # the first bytes of a new request on a kept-alive connection
         super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn answers a request it cannot read (a malformed chunked body, say) itself and closes. When that
+        request has reached the application already (its header was whole; the gate was reading its body), the
+        gate must log and count that 400, not a 500 for an answer that never came from it."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started and not cycle.response_complete:
+            cycle.scope.setdefault("state", {})[SENT_BY_SERVER] = 400
+        super().send_400_response(msg)
 
     def close(self, reason: str) -> None:
         log.debug("closing connection from %s: %s", self.client, reason)

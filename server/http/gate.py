@@ -17,6 +17,7 @@ import time
 import uuid
 
 from server.http.auth import DEFAULT_TENANT, KeyRing
+from server.http.connections import SENT_BY_SERVER
 from server.http.errors import envelope
 
 log = logging.getLogger("kvserve.access")
@@ -26,6 +27,7 @@ OPEN_PREFIXES = ("/docs/", "/playground/")  # the docs' and the playground's fil
 SECURITY_HEADERS = ((b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY"))
 API_POLICY = (b"content-security-policy", b"default-src 'none'; frame-ancestors 'none'")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+CLIENT_CLOSED = 499  # nginx's status for a client that left before it was answered (and kvserve's `cancelled`)
 
 
 class Gate:
@@ -54,7 +56,7 @@ class Gate:
         request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
-        outcome = {"status": 500, "session": None, "started": False, "complete": False}
+        outcome = {"status": 500, "session": None, "started": False, "complete": False, "is_left": False}
 
         async def send_tracked(message) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -80,24 +82,31 @@ class Gate:
             replay = await self._read_body(scope["path"], headers, receive, send_tracked)
             if replay is not None:
                 await self._answer(scope, replay, send_tracked, outcome)
+            else:
+                outcome["is_left"] = not outcome["started"]  # no body to answer: the connection ended first
         finally:
             self._done(scope, state, outcome, time.monotonic() - started)
 
     def _done(self, scope, state: dict, outcome: dict, seconds: float) -> None:
-        """One access-log line (ids and counts, never content) and the request counter."""
+        """One access-log line (ids and counts, never content) and the request counter, with the status the
+        client was sent: the app's or the gate's; uvicorn's own 400 for a body it could not read; 499 when the
+        connection ended before any answer. Never a 500 that no one sent."""
         route = getattr(scope.get("route"), "path", None) or "unmatched"
+        status = outcome["status"]
+        if not outcome["started"]:
+            status = state.get(SENT_BY_SERVER) or (CLIENT_CLOSED if outcome["is_left"] else status)
         log.info(
             "%s %s %d %.0fms tenant=%s request=%s session=%s",
             scope["method"],
             route,
-            outcome["status"],
+            status,
             seconds * 1000,
             state.get("tenant", "-"),
             state["request_id"],
             outcome["session"] or "-",
         )
         if self.on_response is not None:
-            self.on_response(route, outcome["status"], seconds)
+            self.on_response(route, status, seconds)
 
     async def _answer(self, scope, receive, send, outcome: dict) -> None:
         """The app's answer; an unexpected error becomes a 500 envelope here, so the connection stays usable

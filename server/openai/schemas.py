@@ -10,13 +10,10 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import Self  # typing.Self is Python 3.11's
 
 from server.openai.formats import ResponseFormat, ToolCall, ToolFields
-from server.wire import SESSION_ID_PATTERN, Unused, WireModel, only_kinds, reject_unsupported
+from server.wire import MAX_STOP, SESSION_ID_PATTERN, Stop, Unused, WireModel, only_kinds, reject_unsupported
 
-MAX_STOP = 16
 MAX_LOGIT_BIAS = 1024
 
-StopString = Annotated[str, Field(min_length=1, max_length=256)]
-StopList = Annotated[list[StopString], Field(max_length=MAX_STOP)]
 SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN, description="1-128 characters of [A-Za-z0-9_-]")]
 
 # Fields OpenAI defines that kvserve does not implement, with the values that mean "not used": accepted with those
@@ -75,7 +72,7 @@ class SamplingFields(_Unsupported):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: StopString | StopList | None = None
+    stop: Stop = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
     ignore_eos: bool = False
     stream: bool = False

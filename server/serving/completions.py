@@ -52,7 +52,7 @@ class Completions:
         messages = with_session_system(chat_messages(req), view)
         check_text_size(loaded, [m["content"] for m in messages], "messages")
         tools = tool_use(req)
-        reading = Reading.of(loaded.tokenizer, tools, "chatcmpl-" + uuid.uuid4().hex)
+        reading = Reading.of(loaded.tokenizer, tools, "chatcmpl-" + uuid.uuid4().hex, messages)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         turn = Turn(
             engine, tenant, reading, key, messages, req.output_limit(),

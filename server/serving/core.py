@@ -90,6 +90,7 @@ class Serving:
             tools=reading.tools.definitions() if reading.tools is not None else None,
             reply=reading.reply if messages is not None else None,
             shown_special_ids=reading.markers,
+            reply_watch=reading.watch if reading.watches_repeats else None,
         )
 
     async def start(

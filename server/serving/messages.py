@@ -59,7 +59,7 @@ class Messages:
         messages, ends = chat_of(req)
         check_text_size(loaded, [m["content"] for m in messages], "messages")
         tools = tool_use_of(req)
-        reading = Reading.of(loaded.tokenizer, tools, "msg_" + uuid.uuid4().hex)
+        reading = Reading.of(loaded.tokenizer, tools, "msg_" + uuid.uuid4().hex, messages)
         prefix = marked_prefix(req, messages, ends)  # the prompt up to the last breakpoint (None: none)
         boundary = await asyncio.to_thread(prefix_len, loaded, prefix, tools) if prefix is not None else 0
         fmt = req.output_config.format if req.output_config is not None else None

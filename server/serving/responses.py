@@ -113,7 +113,7 @@ class Responses:
         messages = self._messages(req, parent, resolved)
         check_text_size(engine.loaded, [m["content"] for m in messages], "input")
         tools = responses_tool_use(req)
-        reading = Reading.of(engine.loaded.tokenizer, tools, response_id)
+        reading = Reading.of(engine.loaded.tokenizer, tools, response_id, messages)
         base = await serving.session_view(session, engine) if session is not None else parent
         fmt = req.text.format if req.text is not None else None
         record = request_fields(req, items)

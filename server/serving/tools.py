@@ -33,6 +33,7 @@ from server.openai.responses import ResponseRequest
 from server.sessions.chat import ChatMessage, ToolCall
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"  # how the generic prompt wraps a tool result
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 PYTHON_TAG = "<|python_tag|>"
 GENERIC_PROMPT = (
@@ -106,6 +107,7 @@ def responses_tool_use(req: ResponseRequest) -> ToolUse | None:
 class ToolFormat:
     native: bool  # the chat template renders tools and tool messages itself
     style: str  # hermes | llama3_json: how the model writes a call
+    wraps_results: bool = True  # tool results reach the prompt inside <tool_response> tags (generic prompt, Qwen...)
 
 
 def chat_template(tokenizer: Any, tools: ToolUse | None) -> str | None:
@@ -144,7 +146,7 @@ def tool_format(template: str | None) -> ToolFormat:
         if native and (PYTHON_TAG in text or '"parameters"' in text) and CALL_OPEN not in text
         else "hermes"
     )
-    return ToolFormat(native, style)
+    return ToolFormat(native, style, not native or RESPONSE_OPEN in text)
 
 
 def canonical_arguments(arguments: str | dict[str, Any]) -> str:
@@ -211,7 +213,7 @@ def _native(message: ChatMessage) -> Mapping[str, Any]:
 
 def _generic(message: ChatMessage) -> ChatMessage:
     if message["role"] == "tool":
-        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+        return {"role": "user", "content": f"{RESPONSE_OPEN}\n{message['content']}\n{RESPONSE_CLOSE}"}
     if "tool_calls" not in message:
         return message
     blocks = [_call_block(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
@@ -233,6 +235,10 @@ def _loaded(arguments: str) -> Any:
 
 # -- forcing calls ---------------------------------------------------------------------------
 MAX_FORCED_STRING = 1024  # characters: a string in a forced call's arguments whose schema sets no bound
+# An open object ({"type": "object"}, nothing said of its keys) in a forced call: any JSON object, this bounded.
+MAX_OPEN_MEMBERS = 16  # members of an object, items of an array
+MAX_OPEN_DEPTH = 3  # arrays and objects nested inside one
+OPEN_KEY = "^.{1,64}$"
 OBJECT_BOUNDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 STRING_BOUNDS = ("maxLength", "pattern", "format", "enum", "const")
 SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
@@ -240,11 +246,14 @@ SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
 def forced_arguments(schema: dict[str, Any]) -> dict[str, Any]:
-    """A function's parameters as a forced call holds them: every object schema that says nothing of
-    `additionalProperties` is closed (only its properties, as OpenAI's strict mode reads a schema), and every
-    string that sets no bound of its own (`maxLength`, `pattern`, `format`, `enum`, `const`) gets
-    `maxLength: MAX_FORCED_STRING`. A grammar otherwise lets a model add keys, or grow a string, until max_tokens
-    (LangChain's pydantic tools say neither). A copy: the request's tools are left as they are."""
+    """A function's parameters as a forced call holds them: every object schema that lists its keys
+    (`properties`, `required`) and says nothing of `additionalProperties` is closed (only those keys, as OpenAI's
+    strict mode reads a schema), and every string that sets no bound of its own (`maxLength`, `pattern`,
+    `format`, `enum`, `const`) gets `maxLength: MAX_FORCED_STRING`. A grammar otherwise lets a model add keys, or
+    grow a string, until max_tokens (LangChain's pydantic tools say neither). An object that says nothing of its
+    keys at all (`{"type": "object"}`) is open: any JSON object (`open_object`), bounded the same way; closed, it
+    could only ever be `{}`, and a `search` tool declared so could never be given a query. A copy: the request's
+    tools are left as they are."""
     forced: dict[str, Any] = _forced(schema)
     return forced
 
@@ -267,7 +276,10 @@ def _forced(node: Any, in_all_of: bool = False) -> Any:
     kinds = node.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
     is_object = "object" in kinds or (not kinds and "properties" in node)
-    if is_object and not in_all_of and not any(key in node for key in OBJECT_BOUNDS):
+    is_open = not any(key in node for key in (*OBJECT_BOUNDS, "properties", "required"))
+    if is_object and not in_all_of and is_open:
+        out |= open_object(MAX_OPEN_DEPTH)
+    elif is_object and not in_all_of and not any(key in node for key in OBJECT_BOUNDS):
         properties = dict(out.get("properties") or {})
         for name in node.get("required") or []:  # a required key the schema does not describe: any value
             if isinstance(name, str):
@@ -276,6 +288,30 @@ def _forced(node: Any, in_all_of: bool = False) -> Any:
     if "string" in kinds and not any(key in node for key in STRING_BOUNDS):
         out["maxLength"] = MAX_FORCED_STRING
     return out
+
+
+def open_object(depth: int) -> dict[str, Any]:
+    """Any JSON object, bounded: at most MAX_OPEN_MEMBERS members, keys of 1-64 characters, values nested `depth`
+    deep at most (strings of MAX_FORCED_STRING characters, arrays of MAX_OPEN_MEMBERS items). Each bound is one a
+    model looping inside the object would otherwise take to max_tokens."""
+    return {
+        "maxProperties": MAX_OPEN_MEMBERS,
+        "patternProperties": {OPEN_KEY: _any_value(depth)},
+        "additionalProperties": False,
+    }
+
+
+def _any_value(depth: int) -> dict[str, Any]:
+    values: list[dict[str, Any]] = [
+        {"type": "string", "maxLength": MAX_FORCED_STRING},
+        {"type": "number"},
+        {"type": "boolean"},
+        {"type": "null"},
+    ]
+    if depth > 0:
+        values.append({"type": "array", "maxItems": MAX_OPEN_MEMBERS, "items": _any_value(depth - 1)})
+        values.append({"type": "object", **open_object(depth - 1)})
+    return {"anyOf": values}
 
 
 def forced_specs(tools: ToolUse) -> list[ToolSpec]:

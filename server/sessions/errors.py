@@ -47,6 +47,11 @@ class SharedStoreUnavailable(SessionError):
     code = "shared_store_unavailable"
 
 
+class SharedStoreLost(SharedStoreUnavailable):
+    """The shared store lost its data (restarted without persistence, or flushed) since the record a change was made
+    on was read: the change was not applied, and the record is gone with the rest. Never "as before"."""
+
+
 class SharedStoreUncertain(SessionError):
     """A change was sent to the shared store, which stopped answering before it said whether it applied, and did not
     answer the question either within the resolve deadline: it may have applied, or may still apply until Redis

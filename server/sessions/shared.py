@@ -20,7 +20,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from server.sessions.errors import SessionBusy, SharedStoreUnavailable
+from server.sessions.errors import SessionBusy, SharedStoreLost, SharedStoreUnavailable
 from server.sessions.record import SessionKey, SessionRecord
 from server.sessions.shared_state import ABORTED_TTL_MS, EPOCH_KEY, SharedStoreState, abort_key
 
@@ -99,16 +99,17 @@ class SharedRecords:
         with self._answering():
             return self.state.epoch(self.client)
 
-    def save(self, key: SessionKey, record: SessionRecord, expected_op: str) -> None:
+    def save(self, key: SessionKey, record: SessionRecord, expected_op: str, change: str = "a change") -> None:
         """Commit `record` (its `op` and `rev`) only if the shared copy is still the one `expected_op` wrote ("":
-        none). Raises SessionBusy when another replica moved it on, SharedStoreUnavailable when it was not
-        applied because Redis did not answer or lost its data, SharedStoreUncertain when that cannot be known."""
+        none) in the epoch `record["epoch"]` names. Raises SessionBusy when another replica moved it on,
+        SharedStoreUnavailable when it was not applied because Redis did not answer (SharedStoreLost: Redis lost
+        its data since that epoch), SharedStoreUncertain when that cannot be known."""
         op = record["op"]  # and record["epoch"]: the epoch it was read in, which the script checks
         keys = [_record(key), _tombstone(key), EPOCH_KEY, abort_key(op)]
         data = json.dumps(record, separators=(",", ":"))
         args: list[str | int] = [record["epoch"], expected_op, op, record["rev"], data]
         args.append(_ms(float(record["ttl_s"])))
-        answer = self._change(lambda: self._save(keys=keys, args=args), key, op, f"{key.kind} {key.name!r}: a change")
+        answer = self._change(lambda: self._save(keys=keys, args=args), key, op, f"{key.kind} {key.name!r}: {change}")
         if answer.startswith(b"moved:"):
             held = int(answer.removeprefix(b"moved:"))
             what = "already exists" if not expected_op else "was changed by another replica"
@@ -153,7 +154,10 @@ class SharedRecords:
         if answer == b"epoch":
             with contextlib.suppress(*self._errors):
                 self.state.read_epoch(self.client)  # take note of the new epoch now: the listeners drop what Redis lost
-            raise SharedStoreUnavailable(f"{what} was not applied: the shared store lost its data (restart or flush)")
+            raise SharedStoreLost(
+                f"{what} was not applied: the shared store lost its data (restarted without persistence, or flushed), "
+                f"this {key.kind} with it"
+            )
         if answer == b"aborted":  # a resend of a change already resolved as not applied
             raise SharedStoreUnavailable(f"{what} was not applied: the shared store did not answer")
         return answer

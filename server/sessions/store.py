@@ -230,17 +230,18 @@ class SessionStore:
 
     def release(self, session: Session, turn: CompletedTurn | None = None) -> None:
         """Give the session back; a completed `turn` is journaled, then applied, before this returns. Raises
-        StateUnavailable (disk full...) with the session as it was before the turn, and released. A prefill-only
-        request (it generated nothing) made no turn: the record stays as it was."""
+        StateUnavailable (disk full...) with the session as it was before the turn, and released: one this request
+        made goes, as if never asked for (not with replicas). A prefill-only request (it generated nothing) made no
+        turn: the record stays as it was."""
         staged = None
         has_failed = turn is None  # failed or cancelled; a prefill-only request did what it was asked
         if turn is not None and turn.is_prefill_only:
             turn = None
+        is_claim, session.is_claim = session.is_claim, False  # its first request ends here, one way or another
         try:
             if turn is not None:
                 staged = self._journal_turn(session, turn)  # on disk before the client hears the turn ended
         finally:
-            is_claim, session.is_claim = session.is_claim, False  # its first request has ended, one way or another
             with self._table.lock:
                 is_live = self._table.sessions.get(session.key) is session
                 if staged is not None and is_live:
@@ -256,8 +257,10 @@ class SessionStore:
             if staged is None and self.shared is not None and not session.key.is_bucket and not is_claim:
                 self.shared.touch(session.key, session.ttl_s)
             self.leases.give_back(session.key)  # after the turn is journaled
-        if has_failed and is_claim:
-            self._drop_unclaimed(session)
+            # A first request that made no turn (it failed, or its turn could not be saved: then this runs while
+            # StateUnavailable goes up) leaves no empty session behind, counted toward the tenant's quota.
+            if is_claim and staged is None and (has_failed or turn is not None):
+                self._drop_unclaimed(session)
 
     def _journal_turn(self, session: Session, turn: CompletedTurn) -> Session:
         """The session with `turn` applied, committed to the shared store (outside the store's lock: it may wait
@@ -268,7 +271,7 @@ class SessionStore:
             staged.rev, staged.op = session.rev + 1, new_op()
             if self._table.sessions.get(session.key) is not session:
                 return staged  # deleted meanwhile: its state belongs to nobody
-        self._commit_shared(staged, expected_op=session.op)
+        self._commit_shared(staged, expected_op=session.op, change="this turn")
         with self._table.lock:
             if self._table.sessions.get(session.key) is session:
                 self._journal_save(staged)
@@ -412,11 +415,15 @@ class SessionStore:
         self._commit_shared(staged, expected_op)
         self._journal_save(staged)
 
-    def _commit_shared(self, staged: Session, expected_op: str) -> None:
-        """With replicas: commit `staged` (its op) on top of `expected_op`, stamped with Redis' epoch."""
+    def _commit_shared(self, staged: Session, expected_op: str, change: str = "a change") -> None:
+        """With replicas: commit `staged` (its op) on top of `expected_op`, in the epoch that record was read in (a
+        new record: Redis' epoch now). Stamped with the epoch now, a change to a record Redis lost meanwhile would
+        pass the epoch check once any thread had read the new epoch, find no record, and be refused as another
+        replica's change (409) instead of SharedStoreLost (503: what happened)."""
         if self.shared is not None and not staged.key.is_bucket:
-            staged.epoch = self.shared.epoch()
-            self.shared.save(staged.key, staged.to_record(), expected_op)
+            if not expected_op or not staged.epoch:  # "": a copy journaled before records named their epoch
+                staged.epoch = self.shared.epoch()
+            self.shared.save(staged.key, staged.to_record(), expected_op, change)
 
     def _journal_save(self, staged: Session) -> None:
         """One process: the journal is the truth, so a change it refuses is not applied (StateUnavailable).

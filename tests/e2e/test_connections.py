@@ -81,3 +81,45 @@ def test_slow_headers_are_closed_and_slow_bodies_answered_408(model_dir, tmp_pat
         wait_until(lambda: httpx.get(server.base + "/health").status_code == 200, 10, "the server to answer")
     finally:
         server.stop(15)
+
+
+def sent_and_read(port: int, request: bytes, half_close: bool = False) -> bytes:
+    """All the server sent back on a connection (b"" for nothing) until it closed it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) as sock:
+        sock.sendall(request)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)  # the client is done sending: the body will never be whole
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(4096):
+                answer += chunk
+        return answer
+
+
+def test_the_log_and_metrics_record_the_status_the_client_was_sent(model_dir, tmp_path):
+    """uvicorn answers a body it cannot read (malformed chunked framing) 400 itself, after the gate started on the
+    request; a client that leaves before a body is whole is sent nothing. Neither is a 5xx in the access log or in
+    /metrics: the status there is the one on the wire (499, nginx's, where nothing was sent)."""
+    server = Server(model_dir, tmp_path / "state", tmp_path / "log.txt")
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-ID: {}\r\n{}\r\n"
+    chunked = "Transfer-Encoding: chunked\r\n"
+    cases = {  # request id: (request, half close, status on the wire)
+        "bad-chunk-size": (head.format("bad-chunk-size", chunked).encode() + b"zz\r\n{}\r\n0\r\n\r\n", False, 400),
+        "chunk-overrun": (head.format("chunk-overrun", chunked).encode() + b"2\r\n{}}\r\n0\r\n\r\n", False, 400),
+        "short-body": (head.format("short-body", "Content-Length: 100\r\n").encode() + b'{"model": ', True, 499),
+    }
+    try:
+        for request_id, (request, half_close, status) in cases.items():
+            answer = sent_and_read(server.port, request, half_close)
+            on_wire = int(answer.split(b" ", 2)[1]) if answer else 499
+            assert on_wire == status, (request_id, answer[:200])
+            line = f"request={request_id} "
+            wait_until(lambda line=line: line in server.log_path.read_text(), what=f"the access log line of {line}")
+            (logged,) = [row for row in server.log_path.read_text().splitlines() if line in row]
+            assert f" POST unmatched {status} " in logged, logged
+        metrics = httpx.get(server.base + "/metrics", timeout=DEADLINE_S).text
+        assert 'kvserve:http_requests_total{route="unmatched",status="400"} 2.0' in metrics
+        assert 'kvserve:http_requests_total{route="unmatched",status="499"} 1.0' in metrics
+        assert 'route="unmatched",status="5' not in metrics  # no false 5xx alarm
+    finally:
+        server.stop(15)

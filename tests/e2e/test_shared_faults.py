@@ -322,3 +322,53 @@ def test_a_change_that_finds_redis_lost_its_data_drops_what_was_lost(tmp_path):
     assert told.wait(DEADLINE_S), "the loss was noticed, and nothing was dropped"
     assert state.held_epoch() != session.epoch
     records.close()
+
+
+def test_a_turn_on_a_record_redis_lost_is_told_so_even_once_the_new_epoch_is_known(tmp_path):
+    """Between acquire and release Redis is flushed, and another thread (the lease renewer, a request) reads the new
+    epoch before the turn commits: the turn is refused for the lost data (503), not as another replica's change."""
+    from server.sessions.errors import SharedStoreLost
+    from server.sessions.leases import LocalLeases
+    from server.sessions.record import CompletedTurn, SessionKey, Usage
+    from server.sessions.shared import SharedRecords
+    from server.sessions.store import SessionStore
+
+    store = Redis(tmp_path)
+    records = SharedRecords(store.url)
+    sessions = SessionStore(3600, leases=LocalLeases(), shared=records)
+    key = SessionKey("t", "s")
+    sessions.release(sessions.acquire(key, "m"), CompletedTurn([1, 2], "", "stop", Usage(2, 0, 0), None))
+    session = sessions.acquire(key, "m")
+    store.client.flushall()
+    records.state.read_epoch(records.client)  # what the lease renewer does within a third of a lease
+    with pytest.raises(SharedStoreLost, match="this turn was not applied: the shared store lost its data"):
+        sessions.release(session, CompletedTurn([1, 2, 3, 4], "", "stop", Usage(2, 0, 0), None))
+    assert turns_in_redis(store, "s") == -1  # nothing written back
+    assert sessions.view(key) is None  # the copy goes too: Redis holds nothing of it
+    records.close()
+
+
+def test_redis_flushed_under_a_streamed_turn_ends_it_with_what_happened(model_dir, tmp_path):
+    store = Redis(tmp_path)
+    server = replica(model_dir, tmp_path, "a", store.url)
+    history = [{"role": "user", "content": "Hello there"}]
+    history += [said(turn(server.base, "s", history)), {"role": "user", "content": "And then?"}]
+    body = {"model": "model", "messages": history, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with httpx.stream(
+        "POST", server.base + CHAT, json=body | {"stream": True}, headers={"X-Session-ID": "s"}, timeout=DEADLINE_S
+    ) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # generating
+        store.client.flushall()
+        wait_until(lambda: logged(server, "the shared store lost its data"), what="the loss to be noticed")
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "shared_store_unavailable", error
+    assert error["type"] == "service_unavailable"
+    assert error["message"] == (
+        "session 's': this turn was not applied: the shared store lost its data (restarted without persistence, or "
+        "flushed), this session with it"
+    )
+    assert turns_in_redis(store, "s") == -1  # not applied, and nothing written back
+    assert httpx.get(f"{server.base}/v1/sessions/s").status_code == 404

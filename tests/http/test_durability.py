@@ -25,8 +25,8 @@ def state(tmp_path) -> Path:
     return tmp_path / "state"
 
 
-def serve(tiny_spec, state: Path) -> TestClient:
-    return TestClient(create_app(Settings(state_dir=state, default_max_tokens=4), specs=[tiny_spec]))
+def serve(tiny_spec, state: Path, **settings) -> TestClient:
+    return TestClient(create_app(Settings(state_dir=state, default_max_tokens=4, **settings), specs=[tiny_spec]))
 
 
 def chat_turns(client, sid: str, users: list[str]):
@@ -105,6 +105,34 @@ def test_a_full_disk_refuses_every_change_and_memory_never_runs_ahead(tiny_spec,
     with serve(tiny_spec, state) as client:
         wait_ready(client)
         assert sessions_of(client) == before
+
+
+def test_a_first_turn_the_full_disk_refuses_leaves_no_session(tiny_spec, state, monkeypatch):
+    """The session is made (journaled) on first use, then the disk fills while its first turn generates: the 503
+    says the session is as before this turn, and before this turn there was none."""
+    real = Path.write_text
+
+    def fills_up(self, data, *args, **kwargs):
+        if (state / "sessions") in self.parents and '"transcript_ids":[]' not in data:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data, *args, **kwargs)
+
+    with serve(tiny_spec, state, max_sessions_per_tenant=1) as client:
+        wait_ready(client)
+        monkeypatch.setattr(Path, "write_text", fills_up)
+        r = client.post(
+            CHAT, json={"model": "tiny", "session_id": "first", "messages": [{"role": "user", "content": "Hi"}]}
+        )
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "state_unavailable"
+        monkeypatch.undo()
+        assert client.get("/v1/sessions/first").status_code == 404
+        assert client.post("/v1/sessions", json={}).status_code == 201  # the tenant's one session is still free
+        kept = sessions_of(client)
+    with serve(tiny_spec, state) as client:
+        wait_ready(client)
+        assert sessions_of(client) == kept
+        assert client.get("/v1/sessions/first").status_code == 404  # nor does a restart bring it back
 
 
 def test_a_state_directory_removed_while_running_is_written_again_at_shutdown(tiny_spec, state):

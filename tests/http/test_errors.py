@@ -65,6 +65,41 @@ def test_invalid_chat_requests_are_400_never_422(client, body, code, param):
     assert_error(client.post(CHAT, json=body), 400, code, param)
 
 
+STOP_RULES = [
+    (["x"] * 10_000, "at most 16 stop sequences are allowed, not 10000"),
+    ([""], "stop sequence 0 is empty (each is 1-256 characters)"),
+    ("", "the stop sequence is empty (each is 1-256 characters)"),
+    ("x" * (1 << 20), "the stop sequence is 1048576 characters long; at most 256 are allowed"),
+    (["ok", "x" * 257], "stop sequence 1 is 257 characters long; at most 256 are allowed"),
+    ([None], "stop sequence 0 is not a string (each is a string of 1-256 characters)"),
+    (7, "stop sequences must be a string or a list of strings"),
+]
+
+
+@pytest.mark.parametrize(
+    ("stop", "rule"), STOP_RULES, ids=["many", "empty-item", "empty", "1MB", "long-item", "null", "int"]
+)
+@pytest.mark.parametrize("route", [CHAT, "/v1/completions"])
+def test_a_malformed_stop_names_the_rule_it_breaks(client, route, stop, rule):
+    body = {"model": "tiny", "stop": stop, **({"messages": MSG} if route == CHAT else {"prompt": "Hello"})}
+    err = assert_error(client.post(route, json=body), 400, "invalid_parameter", "stop")
+    assert err["message"] == f"'stop': {rule}"
+
+
+def test_a_malformed_stop_sequences_names_the_same_rule(client):
+    """The Messages API's field shares the rule and its words (a list only: Anthropic takes no bare string)."""
+    body = {"model": "tiny", "max_tokens": 4, "messages": MSG}
+    for stop, rule in [
+        *STOP_RULES[:2],
+        STOP_RULES[4],
+        STOP_RULES[5],
+        ("x", "stop sequences must be a list of strings"),
+    ]:
+        r = client.post("/v1/messages", json={**body, "stop_sequences": stop})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == f"'stop_sequences': {rule}"
+
+
 def test_completion_unsupported_fields(client):
     for field, value in (("echo", True), ("suffix", "x"), ("best_of", 3), ("prompt", ["a", "b"])):
         body = {"model": "tiny", "prompt": "hi", field: value}

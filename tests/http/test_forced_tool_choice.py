@@ -75,3 +75,24 @@ def test_a_forced_tool_choice_wins_over_a_response_format_on_the_default_model(d
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.e2e
+def test_a_forced_call_on_an_open_schema_tool_ends_before_max_tokens_on_the_default_model(default_model):
+    """`{"type": "object"}` says nothing of its keys: the call may pass any object, and with parallel calls allowed
+    the reply ends by itself or at the first repeated call, never by max_tokens (it once repeated `{}` until then)."""
+    base, model = default_model
+    search = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+    body = {
+        "model": model, "temperature": 0, "max_tokens": 300, "messages": user("Look up python tutorials"),
+        "tools": [search], "tool_choice": "required",
+    }  # fmt: skip
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert answer["usage"]["completion_tokens"] < 300
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert len(set(calls)) == len(calls)  # no call twice
+    assert all(name == "search" and isinstance(json.loads(arguments), dict) for name, arguments in calls)

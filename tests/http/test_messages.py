@@ -8,8 +8,12 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from fastapi.testclient import TestClient
 
+from server.app import create_app
 from server.sessions.record import SessionKey
+from server.settings import Settings
+from tests.http.conftest import wait_ready
 from tests.http.test_tools import ADD, WEATHER, cut_inside_arguments
 
 GREEDY = {"temperature": 0}  # the SDK no longer types sampling fields; the API still takes them
@@ -68,6 +72,48 @@ def test_stream_events_follow_anthropics_sequence(claude):
     assert raw == ["message_start", "content_block_start", "content_block_stop", "message_delta", "message_stop"]
     assert final.content[0].text == text
     assert final.usage.output_tokens > 0
+
+
+def sse_events(r) -> list[dict]:
+    return [json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_streams_last_message_delta_carries_the_whole_usage(tiny_spec):
+    """LangChain's ChatAnthropic.stream() reads usage only from the final message_delta, as Anthropic's stream
+    carries it all there: it equals the JSON answer's usage for the same request, cache reads and writes included.
+    Two tenants (their prefix caches apart) run the same conversation: one answered in JSON, one streamed."""
+    keys = {"alice": "sk-alice-0123", "bob": "sk-bob-45678"}
+    settings = Settings(api_keys=",".join(f"{k}:{t}" for t, k in keys.items()), default_max_tokens=4)
+    hello = [{"role": "user", "content": "Hello there"}]
+    with TestClient(create_app(settings, specs=[tiny_spec])) as client:
+        wait_ready(client)
+        answers = {}
+        for tenant, key in keys.items():
+            headers = {"x-api-key": key, "X-Session-ID": "s"}
+            body = {"model": "tiny", "max_tokens": 6, "temperature": 0}
+            first = client.post("/v1/messages", json={**body, "messages": hello}, headers=headers).json()
+            second = [
+                *hello,
+                {"role": "assistant", "content": first["content"]},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "And then?", "cache_control": {"type": "ephemeral"}}],
+                },
+            ]
+            if tenant == "alice":
+                answers[tenant] = client.post("/v1/messages", json={**body, "messages": second}, headers=headers).json()
+                continue
+            with client.stream(
+                "POST", "/v1/messages", json={**body, "messages": second, "stream": True}, headers=headers
+            ) as r:
+                events = sse_events(r)
+            assert events[-1]["type"] == "message_stop"
+            assert events[-2]["type"] == "message_delta"
+            answers[tenant] = {"usage": events[-2]["usage"]}
+    usage = answers["alice"]["usage"]
+    assert answers["bob"]["usage"] == usage
+    assert usage["cache_read_input_tokens"] > 0  # the session's transcript
+    assert usage["cache_creation_input_tokens"] > 0  # the new turn, up to its breakpoint
 
 
 def test_stop_sequences_say_which_ended_the_reply(live):

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 
+import httpx
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
@@ -359,3 +360,66 @@ def test_a_forced_call_to_a_tool_with_defs_resolves_its_refs(client):
     body = ask(client, messages=user("Where?"), seed=1, tools=[tool], tool_choice="required", parallel_tool_calls=False)
     (call,) = body["choices"][0]["message"]["tool_calls"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), parameters)
+
+
+CLOCK = {"type": "function", "function": {"name": "now", "description": "The time"}}  # no parameters: {} only
+CLOCK_CALL = '<tool_call>\n{"name":"now","arguments":{}}\n</tool_call>'  # so each call the grammar allows is this
+
+
+def test_a_forced_reply_that_repeats_a_call_ends_there(client, tiny):
+    """Sampled, the tiny model sometimes writes the forced call to a function without parameters two or three times
+    (each repeat identical: the grammar allows nothing else). The reply ends at the first repeat, which is not one
+    of its calls, streamed or whole, and the session records what the client got."""
+    num_repeats = 0
+    for seed in range(8):
+        body = {
+            "messages": user("What time is it?"), "tools": [CLOCK], "tool_choice": "required", "seed": seed,
+            "max_tokens": 300, "session_id": f"clock-{seed}",
+        }  # fmt: skip
+        choice = ask(client, **body)["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "now", "arguments": "{}"}]
+        session = client.app.state.host.store.view(SessionKey("default", f"clock-{seed}"))
+        assert session.messages[-1]["tool_calls"] == choice["message"]["tool_calls"]
+        generated = tiny.tokenizer.decode(session.transcript_ids[session.turns[0].end :], skip_special_tokens=True)
+        generated = generated[generated.index(CLOCK_CALL) :]  # the transcript's reply, after the prompt's end
+        assert generated in (CLOCK_CALL, CLOCK_CALL + "\n" + CLOCK_CALL), (seed, generated)  # never on past a repeat
+        num_repeats += generated != CLOCK_CALL
+        with client.stream(
+            "POST", CHAT, json={"model": "tiny", "temperature": 1.0, **body, "session_id": None, "stream": True}
+        ) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        streamed = [p for c in chunks for p in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert [p["function"]["name"] for p in streamed if "name" in p.get("function", {})] == ["now"]
+    assert num_repeats, "no seed repeated the call: nothing was shown"
+
+
+@pytest.mark.e2e
+def test_after_a_tool_result_the_default_models_echo_of_it_never_reaches_the_client(default_model):
+    """Given a tool result, SmolLM2 answers by copying it in the generic prompt's <tool_response> tags: that is the
+    model imitating its prompt, not an answer. Whole or streamed, and in the session's record, the block is gone,
+    and the next turn still continues the transcript token-exactly."""
+    base, model = default_model
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["function"]["parameters"]}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear", "temp_c": 21}'},
+    ]
+    body = {"model": model, "temperature": 0, "max_tokens": 40, "messages": messages, "tools": [tool]}
+    sid = "echoed-result"
+    r = httpx.post(base + CHAT, json=body, headers={"X-Session-ID": sid}, timeout=300)
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]
+    assert "tool_response" not in (answer["content"] or "")
+    with httpx.stream("POST", base + CHAT, json={**body, "stream": True}, timeout=300) as streamed:
+        chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == (answer["content"] or "")
+    record = httpx.get(f"{base}/v1/sessions/{sid}").json()
+    next_turn = [*messages, answer, {"role": "user", "content": "Thanks"}]
+    again = httpx.post(
+        base + CHAT, json={**body, "messages": next_turn, "max_tokens": 2}, headers={"X-Session-ID": sid}, timeout=300
+    )
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == record["transcript_tokens"] - 1

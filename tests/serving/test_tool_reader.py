@@ -8,9 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 from server.anthropic.answers import tool_input
-from server.serving.tool_reader import ToolReader, read_reply
+from server.engine.grammar import Grammars
+from server.serving.tool_reader import Reading, ToolReader, read_reply
 from server.serving.tools import (
     MAX_FORCED_STRING,
+    MAX_OPEN_MEMBERS,
     ToolSpec,
     ToolUse,
     chat_template,
@@ -18,6 +20,7 @@ from server.serving.tools import (
     model_tool_format,
     tool_format,
 )
+from server.serving.tools import grammar as tool_grammar
 
 TOOLS = ToolUse((ToolSpec("get_weather", None, {"type": "object"}), ToolSpec("add", None, {"type": "object"})))
 REPLY = (
@@ -34,6 +37,19 @@ def streamed(text: str, size: int, tools: ToolUse = TOOLS, style: str = "hermes"
         content, calls = content + sent, calls + found
     sent, found = reader.finish()
     return content + sent, calls + found, reader.message()
+
+
+def split_everywhere(reader_of, text: str):
+    """The text fed in two pieces, split at every position, then one character at a time: (content, calls)."""
+    splits = [[text[:at], text[at:]] for at in range(len(text) + 1)] + [list(text)]
+    for pieces in splits:
+        reader = reader_of()
+        content, calls = "", []
+        for piece in pieces:
+            sent, found = reader.feed(piece)
+            content, calls = content + sent, calls + found
+        sent, found = reader.finish()
+        yield content + sent, calls + found, reader.message()
 
 
 @pytest.mark.parametrize("size", [1, 2, 5, 13, 1000])
@@ -183,3 +199,120 @@ def test_numbers_past_a_float_and_non_json_constants_never_break_an_answer():
         text = f'<tool_call>{{"name":"add","arguments":{{"a":{number}}}}}</tool_call>'
         assert read_reply(text, TOOLS, "hermes", "r") == {"role": "assistant", "content": text}
         assert tool_input(f'{{"b":1,"a":{number}}}') == {}  # text that is no JSON gives no input
+
+
+# -- a tool response the model writes is never content ----------------------------------------
+ECHO = 'It is <tool_response>\n{"sky": "clear", "temp": 21}\n</tool_response> sunny.'
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None, ToolUse(TOOLS.specs, choice="none")], ids=["tools", "none", "off"])
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        (ECHO, "It is  sunny."),
+        ("<tool_response>\n{}\n</tool_response>", ""),  # a reply that only imitates a tool result: no answer
+        ("Sunny. <tool_response>\n{}\n</tool_resp", "Sunny. "),  # ended inside it: none of it
+        ("a <tool_response>x</tool_response> b <tool_response>y</tool_response>", "a  b "),
+        ("<tool_respon is not a tag", "<tool_respon is not a tag"),
+        ("a </tool_response> b", "a </tool_response> b"),  # a closing tag alone hides nothing
+    ],
+)
+def test_a_tool_response_the_model_writes_is_dropped_in_every_split(tools, text, content):
+    for streamed_content, calls, message in split_everywhere(lambda: ToolReader(tools, "hermes", "r", True), text):
+        assert streamed_content == content
+        assert not calls
+        assert message == read_reply(text, tools, "hermes", "r", True) == {"role": "assistant", "content": content}
+
+
+def test_a_tool_response_beside_a_call_is_dropped_and_the_call_read():
+    text = '<tool_response>{"a": 1}</tool_response>Again: ' + WHOLE
+    for content, calls, message in split_everywhere(lambda: ToolReader(TOOLS, "hermes", "r", True), text):
+        assert content == "Again: "
+        assert [c["function"]["arguments"] for c in calls] == ['{"a":1}']
+        assert message == read_reply(text, TOOLS, "hermes", "r", True)
+
+
+def test_a_tool_response_is_content_where_the_prompt_holds_none():
+    assert read_reply(ECHO, TOOLS, "hermes", "r") == {"role": "assistant", "content": ECHO}
+    generic = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tokenizer = SimpleNamespace(chat_template=generic, all_special_ids=[], added_tokens_decoder={})
+    tokenizer.convert_tokens_to_ids = lambda token: None
+    result = [{"role": "tool", "tool_call_id": "c", "content": "{}"}]
+    assert Reading.of(tokenizer, TOOLS, "r", [{"role": "user", "content": "Hi"}, *result]).hides_responses
+    assert not Reading.of(tokenizer, TOOLS, "r", [{"role": "user", "content": "Hi"}]).hides_responses
+    llama = SimpleNamespace(**{**vars(tokenizer), "chat_template": '{{ tools }} "parameters" <|python_tag|> ipython'})
+    assert not Reading.of(llama, TOOLS, "r", result).hides_responses  # its template wraps results otherwise
+
+
+# -- a forced reply that repeats a call ends there ---------------------------------------------
+def test_a_forced_reply_ends_at_its_first_repeated_call():
+    other = '<tool_call>{"name":"add","arguments":{"a":2}}</tool_call>'
+    respaced = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'  # the same call, written otherwise
+    text = "\n".join([WHOLE, other, respaced, other])
+    for content, calls, message in split_everywhere(lambda: ToolReader(FORCED, "hermes", "r"), text):
+        assert content == ""
+        assert [c["function"]["arguments"] for c in calls] == ['{"a":1}', '{"a":2}']  # nothing from the repeat on
+        assert message == read_reply(text, FORCED, "hermes", "r")
+    assert [c["function"]["arguments"] for c in read_reply(text, TOOLS, "hermes", "r")["tool_calls"]] == [
+        '{"a":1}',
+        '{"a":2}',
+        '{"a":1}',
+        '{"a":2}',
+    ]  # auto is read as written: only a forced reply is the grammar's doing
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3_json"])
+def test_the_engine_is_told_to_end_a_forced_reply_when_a_call_repeats(style):
+    call = '{"name":"add","arguments":{"a":1}}' if style == "hermes" else '{"name":"add","parameters":{"a":1}}'
+    block = f"<tool_call>\n{call}\n</tool_call>" if style == "hermes" else call
+    separator = "\n" if style == "hermes" else ";"
+    text = block + separator + block + separator
+    for parallel, expected in ((True, True), (False, None)):
+        reading = Reading(ToolUse(TOOLS.specs, choice="required", parallel=parallel), style, "r")
+        assert reading.watches_repeats is bool(expected)
+        if not reading.watches_repeats:
+            continue
+        is_over = reading.watch()
+        ends = [at for at in range(1, len(text) + 1) if is_over(text[at - 1])]
+        assert ends[0] == 2 * len(block) + len(separator)  # the character that closes the repeated call
+    assert not Reading(TOOLS, "hermes", "r").watches_repeats  # auto: the model's own choice
+
+
+# -- an open object in a forced call: any object, bounded ----------------------------------------
+def accepts(grammars: Grammars, tiny, grammar: str, text: str) -> bool:
+    constraint = grammars.compile(Grammars.lark(grammar))
+    ids = tiny.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return all(constraint.consume(i) for i in ids) and bool(constraint.matcher.is_accepting())
+
+
+def test_a_forced_call_takes_any_object_where_the_schema_says_nothing_of_its_keys(tiny):
+    grammars = Grammars(tiny.tokenizer, tiny.vocab_size, tiny.eos_ids)
+    search = ToolUse((ToolSpec("search", None, {"type": "object"}),), choice="required")
+    grammar = tool_grammar(search, "hermes")
+
+    def call(arguments: str) -> str:
+        return f'<tool_call>\n{{"name":"search","arguments":{arguments}}}\n</tool_call>'
+
+    deep = '{"a":{"b":{"c":{"d":1}}}}'
+    for arguments in (
+        "{}",
+        '{"query":"tallest mountain","limit":3}',
+        '{"filters":{"lang":["en","fr"]},"x":null}',
+        deep,
+    ):
+        assert accepts(grammars, tiny, grammar, call(arguments)), arguments
+    many = json.dumps({f"k{i}": i for i in range(MAX_OPEN_MEMBERS + 1)}, separators=(",", ":"))
+    too_deep = '{"a":{"b":{"c":{"d":{}}}}}'
+    for arguments in (many, json.dumps({"k" * 65: 1}), json.dumps({"q": "x" * (MAX_FORCED_STRING + 1)}), too_deep):
+        assert not accepts(grammars, tiny, grammar, call(arguments)), arguments[:80]
+    # Objects that name their keys stay closed to them; one that names none (no parameters) is {} alone.
+    closed = ToolUse(
+        (ToolSpec("search", None, {"type": "object", "properties": {"q": {"type": "string"}}}),), "required"
+    )
+    assert accepts(grammars, tiny, tool_grammar(closed, "hermes"), call('{"q":"x"}'))
+    assert not accepts(grammars, tiny, tool_grammar(closed, "hermes"), call('{"q":"x","more":1}'))
+    bare = ToolUse((ToolSpec("search", None, {"type": "object", "properties": {}}),), "required")
+    assert accepts(grammars, tiny, tool_grammar(bare, "hermes"), call("{}"))
+    assert not accepts(grammars, tiny, tool_grammar(bare, "hermes"), call('{"q":"x"}'))
+    # After one or more calls the reply may end (the grammar accepts there), with parallel calls or without.
+    assert accepts(grammars, tiny, grammar, call("{}") + "\n" + call('{"q":1}'))

@@ -143,6 +143,7 @@ def test_a_turn_the_journal_cannot_write_is_not_applied(tmp_path):
                 raise OSError(28, "No space left on device")
 
     store = SessionStore(ttl_s=3600, journal=FullDisk(tmp_path))
+    store.create(key("j"), "m")  # made before (a request made on first use goes: the test below)
     session = store.acquire(key("j"), "m")
     with pytest.raises(StateUnavailable, match="No space left"):
         store.release(session, turn([1, 2, 3]))
@@ -513,6 +514,27 @@ def test_a_session_its_first_request_made_goes_when_that_request_makes_no_turn(t
     assert store.tenant_usage("default", key("other"))[0] == 3  # warmed, kept and made
 
 
+def test_a_session_whose_first_turn_the_journal_refuses_goes_as_if_never_asked_for(tmp_path):
+    class FillsUp(Journal):
+        def save(self, key, record):
+            if record["transcript_ids"]:  # the session was made; the disk filled while its first turn ran
+                raise OSError(28, "No space left on device")
+            super().save(key, record)
+
+    store = SessionStore(ttl_s=3600, journal=FillsUp(tmp_path), max_sessions_per_tenant=1)
+    session = store.acquire(key("new"), "m")
+    assert list(tmp_path.rglob("session-new.json"))  # journaled before it existed
+    with pytest.raises(StateUnavailable, match="No space left"):
+        store.release(session, turn([1, 2, 3]))
+    assert store.info(key("new")) is None
+    assert store.tenant_usage("default", key("other"))[0] == 0  # counts toward no quota
+    assert store.acquire(key("next"), "m") is not None  # so the tenant's one session may be another
+    assert not list(tmp_path.rglob("session-new.json"))  # and a restart does not bring it back
+    again = SessionStore(ttl_s=3600, journal=Journal(tmp_path))
+    again.restore()
+    assert again.info(key("new")) is None
+
+
 class BlockingShared:
     """Stands in for SharedRecords (in memory): a record store that commits on the operation read, whose `load`
     can be held once mid-way (a slow Redis read) while another thread commits."""
@@ -534,7 +556,7 @@ class BlockingShared:
             assert self.load_gate.wait(60), "the test never let the read answer"
         return found
 
-    def save(self, key, record, expected_op):
+    def save(self, key, record, expected_op, change="a change"):
         current = self.records.get(key, {}).get("op", "")
         if current != expected_op:
             raise SessionBusy("moved on")

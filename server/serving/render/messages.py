@@ -61,7 +61,9 @@ class MessageRenderer(PartsRenderer):
         out = self.rest()
         reason = stop_reason(item.finish_reason, item.stop_sequence, bool(self.num_calls))
         delta = {"stop_reason": reason, "stop_sequence": item.stop_sequence}
-        out.append(event("message_delta", delta=delta, usage={"output_tokens": item.usage.completion_tokens}))
+        # The whole usage, as Anthropic sends it here: clients that read usage only from this event (LangChain's
+        # ChatAnthropic.stream) would otherwise show no input and no cache reads.
+        out.append(event("message_delta", delta=delta, usage=self._usage(item.usage.completion_tokens)))
         out.append(event("message_stop"))
         return out
 
