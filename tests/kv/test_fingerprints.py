@@ -15,7 +15,7 @@ from server.http.routes.models import model_object
 from server.kv.block_store import addresses
 from server.settings import Settings
 from tests.e2e.redis_server import Redis
-from tests.helpers import DEADLINE_S, run, wait_until
+from tests.helpers import DEADLINE_S, run, settled, wait_until
 
 BLOCK = 4
 
@@ -107,6 +107,7 @@ async def test_what_the_replicas_are_told_is_what_restores(hosts):
         assert result.error is None, result.error
         transcript = transcript + result.token_ids + more
         assert hosts[name].tiers.shared is not None
+        await settled(engine)  # the turn's blocks are handed to the writer between steps, after the client hears
         hosts[name].tiers.shared.flush()  # the turn's full blocks, in Redis
     assert (turns["c"].admitted.source, turns["c"].admitted.num_cached > 0) == ("shared", True)
     assert (turns["a"].admitted.source, turns["a"].admitted.num_cached) == ("none", 0)

@@ -218,6 +218,7 @@ async def test_a_turn_that_cannot_be_journaled_fails_alone(tiny, tmp_path):
 
     store = SessionStore(ttl_s=3600, journal=FullDisk(tmp_path))
     engine = make_engine(tiny, store=store, budget_bytes=64 * BLOCK * TOKEN_BYTES, block_size=BLOCK)
+    store.create(SessionKey("default", "full"), tiny.spec.id)  # it exists before: a refused turn leaves it as it was
     try:
         prompt = words(tiny, "Hello world")
         results = await asyncio.gather(
