@@ -35,6 +35,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from server.engine.threads import compute_threads
 from server.kv.attention import current_step
 
 log = logging.getLogger("kvserve.engine")
@@ -76,11 +77,18 @@ class CompiledModel:
         os.environ[CACHE_ENV] = _cache_dir(self.cache_dir)
         hits_before = counters["aot_autograd"]["autograd_cache_hit"]
         start = time.perf_counter()
-        for n in WARM_UP_TOKENS:  # inputs made as the runner makes them: outside inference mode, not views (guards)
-            ids = torch.tensor([[1] * n], dtype=torch.long, device=self.device)
-            positions = torch.tensor([list(range(n))], dtype=torch.long, device=self.device)
-            with STANCE, torch.compiler.set_stance("default"), torch.inference_mode():
-                self._compiled(input_ids=ids, position_ids=positions, use_cache=False)
+        # Under the engine thread's thread count: the graphs' guards hold it, and a graph compiled under another
+        # count (a caller's thread left at 1) is never used: every step would run eager.
+        before = torch.get_num_threads()
+        torch.set_num_threads(compute_threads())
+        try:
+            for n in WARM_UP_TOKENS:  # inputs made as the runner makes them: outside inference mode, not views
+                ids = torch.tensor([[1] * n], dtype=torch.long, device=self.device)
+                positions = torch.tensor([list(range(n))], dtype=torch.long, device=self.device)
+                with STANCE, torch.compiler.set_stance("default"), torch.inference_mode():
+                    self._compiled(input_ids=ids, position_ids=positions, use_cache=False)
+        finally:
+            torch.set_num_threads(before)
         self.compile_s = time.perf_counter() - start
         self.cache_hits = counters["aot_autograd"]["autograd_cache_hit"] - hits_before
         log.info(

@@ -77,7 +77,11 @@ def test_a_continued_session_guards_its_new_messages_too(tiny):
     assert specials_in(tiny, new) == ["<|im_start|>", "<|im_end|>", "<|im_start|>"]
 
 
-@pytest.mark.parametrize("typed", ["\ue000", "\ue0001\ue001", control_text.MARK_PREFIX[:-1] + "0\ue001"])
+@pytest.mark.parametrize(
+    "typed",
+    ["\ue000", "\ue0001\ue001", control_text.MARK_PREFIX[:-1] + "0\ue001"],
+    ids=["the opener alone", "a mark with no nonce", "a mark with this process's nonce"],  # the nonce: per process
+)
 def test_a_client_cannot_type_a_mark(tiny, typed):
     messages = [{"role": "user", "content": f"a{typed}b"}]
     text = continuation.render(tiny, messages, add_generation_prompt=True)
