@@ -61,6 +61,7 @@ class CompiledModel:
         self.num_eager_steps = 0  # of those, the ones that ran eager: their inputs wanted a graph not compiled at start
         self.compile_s = 0.0
         self.cache_hits = 0
+        self.num_threads = compute_threads()  # what the graphs are built and run under (dynamo guards it)
         self._compiled: Callable[..., Any] = torch.compile(self.body, dynamic=True, fullgraph=True)
 
     def head_matches(self) -> bool:
@@ -80,7 +81,7 @@ class CompiledModel:
         # Under the engine thread's thread count: the graphs' guards hold it, and a graph compiled under another
         # count (a caller's thread left at 1) is never used: every step would run eager.
         before = torch.get_num_threads()
-        torch.set_num_threads(compute_threads())
+        torch.set_num_threads(self.num_threads)
         try:
             for n in WARM_UP_TOKENS:  # inputs made as the runner makes them: outside inference mode, not views
                 ids = torch.tensor([[1] * n], dtype=torch.long, device=self.device)
@@ -106,6 +107,8 @@ class CompiledModel:
         calls = step.num_op_calls if step is not None else 0
         self.num_steps += 1
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+        if torch.get_num_threads() != self.num_threads:  # seen changed under the engine thread after graph calls
+            torch.set_num_threads(self.num_threads)
         try:
             with STANCE, torch.compiler.set_stance("fail_on_recompile"):
                 hidden = self._compiled(**inputs).last_hidden_state
@@ -114,7 +117,10 @@ class CompiledModel:
             if ran or not str(exc).startswith(RECOMPILE_ERROR):
                 raise
             if self.num_eager_steps == 0:
-                log.warning("model %s: a %d-token step ran eager (no graph fits)", self.model_id, input_ids.shape[1])
+                why = " ".join(str(exc).split())[:600]
+                log.warning(
+                    "model %s: a %d-token step ran eager (no graph fits: %s)", self.model_id, input_ids.shape[1], why
+                )
             self.num_eager_steps += 1
             return self._logits(self.body(**inputs).last_hidden_state, sampled_at)
         if step is not None and step.num_op_calls != calls:

@@ -15,6 +15,7 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from server.engine.compiled import CACHE_ENV, WARM_UP_TOKENS, CompiledModel, _cache_dir
+from server.engine.threads import COMPUTE_THREADS_ENV
 from server.http.routes.models import model_object
 from server.kv.attention import StepMeta, current_step, stepping
 from server.kv.pool import KVLayout, KVPool
@@ -48,8 +49,11 @@ def ids(tiny, text: str) -> list[int]:
 @pytest.mark.timeout(1800)
 async def test_the_compiled_model_answers_as_hf_generate(tiny, tmp_path, monkeypatch):
     monkeypatch.delenv(CACHE_ENV, raising=False)  # restored after the test: the engine sets its own
+    # The engine thread runs on one thread, its caller on two: dynamo guards the count, so the graphs must be built
+    # for the engine's (and the engine must keep it: something under the graph calls was seen to set it back).
+    monkeypatch.setenv(COMPUTE_THREADS_ENV, "1")
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a caller's thread count is not the engine thread's: the graphs are built for the latter
+    torch.set_num_threads(2)
     try:
         engine = make_engine(tiny, block_size=4, compile_dir=str(tmp_path))
     finally:
