@@ -29,11 +29,13 @@ $(STAMP): pyproject.toml
 serve: install
 	HF_HUB_OFFLINE=1 $(BIN)/kvserve serve --host $(HOST) --port $(PORT)
 
+# one worker per CPU; a file's tests stay on one worker (its module fixtures are built once)
+PYTEST_WORKERS ?= auto
 test: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test-fast: install
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not e2e and not faults"
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not e2e and not faults"
 
 lint: install
 	$(BIN)/ruff check .
