@@ -78,7 +78,9 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._blocks = [Block(i) for i in range(num_blocks)]
+        # made on first use: a pool of a small model has hundreds of thousands of blocks (4 GiB of a test model: half a
+        # million, two seconds of every start to make them all up front)
+        self._blocks: dict[int, Block] = {}
         self._free_heap = list(range(num_blocks))  # lowest id first: neighbours stay contiguous
         self._free = set(self._free_heap)
         self._by_hash: dict[int, Block] = {}
@@ -205,7 +207,9 @@ class BlockManager:
             self.num_evictions += 1
             block_id = victim.block_id
         self.num_reserved -= 1
-        block = self._blocks[block_id]
+        block = self._blocks.get(block_id)
+        if block is None:
+            block = self._blocks[block_id] = Block(block_id)
         block.ref_count = 1
         block.stamp = next(_STAMPS)
         return block
