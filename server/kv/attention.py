@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -124,13 +124,31 @@ class PrefillRows:
     slots: torch.Tensor | None = None
 
 
+class Attends(Protocol):
+    """What runs a step's layer: the model's attention backend (server/kv/backends.py)."""
+
+    def attend(
+        self,
+        step: StepMeta,
+        layer: int,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> None: ...
+
+
 @dataclass(slots=True)
 class StepMeta:
+    """A step's attention, as its backend planned it (server/kv/backends.py) and runs it, layer by layer."""
+
     pool: KVPool
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     spans: list[SeqSpan]  # the rows attended to one SDPA call each
-    decode: DecodeRows | None = None  # the rows the kernel attends to in one call
+    decode: DecodeRows | None = None  # the rows a kernel attends to in one call
     prefill: PrefillRows | None = None  # the chunks the prefill kernel attends to in one call (no window, no softcap)
+    backend: Attends | None = None  # runs each layer (None: every row is a span)
     num_op_calls: int = 0  # layers attended through kvserve::step_attention (a compiled graph's)
 
 
@@ -232,97 +250,48 @@ def _paged(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """The step's attention for one layer: the new K/V into their slots, then each row over its keys."""
-    pool = step.pool
-    k_pool, v_pool = pool.k[layer], pool.v[layer]  # [kvH, S, D] (quantized: [kvH, S, D + 4] rows with a scale)
-    pool.write(layer, step.slot_mapping, key[0], value[0])
+    """The step's attention for one layer: the new K/V into their slots, then each row over its keys as the
+    step's backend planned it."""
+    step.pool.write(layer, step.slot_mapping, key[0], value[0])
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
-    if step.prefill is not None:
-        p = step.prefill
-        k_read, v_read = (k_pool, v_pool) if p.slots is None else pool.read(layer, 0, 0, p.slots)
-        torch.ops.kvserve.paged_prefill(
-            query[0].transpose(0, 1),  # [T, H, D], a view
-            k_read,
-            v_read,
-            out,
-            p.q_starts,
-            p.q_lens,
-            p.context_lens,
-            p.block_tables,
-            step.pool.block_size,
-            scale,
-        )
-    if step.decode is not None:
-        d = step.decode
-        first_keys = head_out = head_lse = _EMPTY
-        if d.first_keys is not None and sliding_window is None and softcap is None:
-            heads = attend_heads(query, k_pool, v_pool, d.heads, scale, step.pool.block_size, layer)
-            first_keys, (head_out, head_lse) = d.first_keys, heads
-        torch.ops.kvserve.paged_decode(
-            query[0].transpose(0, 1),  # [T, H, D], a view
-            k_pool,
-            v_pool,
-            out,
-            d.rows,
-            d.block_tables,
-            d.context_lens,
-            first_keys,
-            head_out,
-            head_lse,
-            step.pool.block_size,
-            sliding_window or 0,
-            scale,
-            softcap or 0.0,
-        )
-    for span in step.spans:
-        lo, hi = span.keys(sliding_window)
-        slots = None if span.ctx_slots is None else span.ctx_slots[lo:hi]
-        k, v = pool.read(layer, span.first_slot + lo, span.first_slot + hi, slots)  # contiguous: a view, no copy
-        q = query[:, :, span.q_start : span.q_start + span.q_len]  # [1, H, q, D]
-        o = attend(q, k.unsqueeze(0), v.unsqueeze(0), span.mask(sliding_window), scale, softcap)
-        out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
+    if step.backend is not None:
+        step.backend.attend(step, layer, query, out, scale, sliding_window, softcap)
+    else:
+        attend_spans(step, layer, query, out, scale, sliding_window, softcap)
     return out.unsqueeze(0)
 
 
-_EMPTY = torch.empty(0)
-
-
-def attend_heads(
+def attend_spans(
+    step: StepMeta,
+    layer: int,
     query: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    heads: list[SharedHead],
+    out: torch.Tensor,
     scale: float,
-    block_size: int = 0,
-    layer: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each head's rows against its keys in one call: ([Bh, H, D] output, [Bh, H] log-sum-exp).
+    window: int | None,
+    softcap: float | None,
+) -> None:
+    """Each span: one SDPA call over its keys (a view of the pool when they are one run, else a gather)."""
+    pool = step.pool
+    for span in step.spans:
+        lo, hi = span.keys(window)
+        slots = None if span.ctx_slots is None else span.ctx_slots[lo:hi]
+        k, v = pool.read(layer, span.first_slot + lo, span.first_slot + hi, slots)  # contiguous: a view, no copy
+        q = query[:, :, span.q_start : span.q_start + span.q_len]  # [1, H, q, D]
+        o = attend(q, k.unsqueeze(0), v.unsqueeze(0), span.mask(window), scale, softcap)
+        out[span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
 
-    A head with its blocks goes to the paged kernel: from the layout kept for it (`layer` of `laid_out`, made
-    on first use) where it has one, else `kvserve::paged_shared_keys` (the keys read in place through its
-    blocks and laid out, once for all rows); otherwise to torch's CPU flash attention, a kv head's G query
-    heads of all n rows as one sequence of G * n queries (no mask: the head's keys all precede every row's
-    token), on a view of the pool or a gather of its slots.
-    """
+
+def flash_heads(
+    query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, heads: list[SharedHead], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's rows against its keys in one call of torch's CPU flash attention: ([Bh, H, D] output, [Bh, H]
+    log-sum-exp), a kv head's G query heads of all n rows as one sequence of G * n queries (no mask: the head's
+    keys all precede every row's token), on a view of the pool or a gather of its slots."""
     num_heads, dim = query.shape[1], query.shape[3]
     kv_heads = k_pool.shape[0]
     outs, lses = [], []
     for head in heads:
         n = head.rows.numel()
-        if head.blocks is not None:
-            rows = query[0].index_select(1, head.rows).transpose(0, 1)  # [n, H, D]
-            o = rows.new_empty(rows.shape)
-            lse = torch.empty((n, num_heads), dtype=torch.float32, device=rows.device)
-            if head.laid_out is not None:
-                keys, values = head.laid_out.of_layer(layer, k_pool, v_pool, head.blocks, head.length)
-                torch.ops.kvserve.shared_keys_from_layout(rows, keys, values, o, lse, head.length, scale)
-            else:
-                torch.ops.kvserve.paged_shared_keys(
-                    rows, k_pool, v_pool, o, lse, head.blocks, head.length, block_size, scale
-                )
-            outs.append(o)
-            lses.append(lse)
-            continue
         q = query[0].index_select(1, head.rows).view(1, kv_heads, num_heads // kv_heads * n, dim)
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, head.kv(k_pool)[None], head.kv(v_pool)[None], scale=scale

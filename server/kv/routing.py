@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from server.kv.attention import SeqSpan, SharedHead, attend, attend_heads
+from server.kv.attention import SeqSpan, SharedHead, attend, flash_heads
 from server.kv.pool import KVPool
 
 KERNEL, SDPA, HEAD = "kernel", "sdpa", "head"
@@ -66,7 +66,7 @@ def time_lone_row(pool: KVPool, num_heads: int) -> LoneRowRoute:
         )
 
     def with_head() -> None:
-        head_out, head_lse = attend_heads(query, k_pool, v_pool, [head], scale)
+        head_out, head_lse = flash_heads(query, k_pool, v_pool, [head], scale)
         kernel(int32([head_len]), head_out, head_lse)
 
     ways: dict[str, Callable[[], object]] = {

@@ -1,4 +1,5 @@
-"""Which attention path a decode row takes: the paged kernel (one call for the short rows) or SDPA (each longer one)."""
+"""The attention backends: which one serves a model (one pure choice), and which path each row of a step takes in
+it: the decode kernel, cascade heads, SDPA (the kernel backend), or one walk for every row (the tiled backend)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import pytest
 import torch
 
 from server.engine import model_runner
-from server.kv import kernels
+from server.kv import backends, kernels
+from server.kv.backends import BackendFacts, DecodeRow, choose_backend
 from server.kv.blocks import Block
+from server.kv.routing import HEAD, KERNEL, SDPA
 from server.models.loader import load_model
 from tests.helpers import make_engine, reference_greedy, run, wait_until_async
+
+TILED = kernels.paged_prefill_available(torch.bfloat16, 64)
+needs_tiled = pytest.mark.skipif(not TILED, reason="no AVX512-BF16 build: bf16 pools take the kernel backend")
 
 
 @pytest.fixture(scope="module")
@@ -25,23 +31,70 @@ def words(loaded, text: str) -> list[int]:
     return loaded.tokenizer(text)["input_ids"]
 
 
-async def test_short_and_long_rows_of_one_step_take_both_attention_paths(tiny32, monkeypatch):
-    monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 24)  # the short prompts' rows: kernel; the long: SDPA
-    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
-    if not engine.runner.uses_kernel:
-        engine.stop()
-        pytest.skip("no C++ compiler: every row is an SDPA call")
-    engine.runner.uses_heads = False  # else the long row reads its leading blocks as a head (tested below)
-    engine.runner.lone_rows = model_runner.SDPA  # as where SDPA was timed fastest for a lone long row
-    seen: list[tuple[int, int]] = []
-    prepare = engine.runner._prepare
+def spy_steps(runner, monkeypatch, record) -> None:
+    """Calls record(rows, meta) with each step's plan."""
+    prepare = runner._prepare
 
     def spy(rows):
         meta, *rest = prepare(rows)
-        seen.append((0 if meta.decode is None else len(meta.decode.rows), len(meta.spans)))
+        record(rows, meta)
         return (meta, *rest)
 
-    monkeypatch.setattr(engine.runner, "_prepare", spy)
+    monkeypatch.setattr(runner, "_prepare", spy)
+
+
+# -- the choice ----------------------------------------------------------------------------------------------------
+def facts(**changes) -> BackendFacts:
+    base = BackendFacts("cpu", True, True, False, True, False)
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "backend"),
+    [
+        ({}, "tiled"),
+        ({"deterministic": True}, "tiled"),  # the tiled walk is deterministic as it is
+        ({"tiled_serves": False}, "kernel"),  # fp32, fp16, a head size other than 64 or 128, no AVX512-BF16
+        ({"tiled_serves": False, "deterministic": True}, "kernel"),
+        ({"is_quantized": True}, "kernel"),  # the walk reads bf16 keys; the kernel dequantizes 8-bit ones
+        ({"plain_layers": False}, "kernel"),  # windows and softcaps: the decode kernel and SDPA honour them
+        ({"has_kernels": False}, "sdpa"),  # no compiler here
+        ({"device": "cuda"}, "sdpa"),
+        ({"device": "mps", "tiled_serves": False}, "sdpa"),
+    ],
+)
+def test_one_pure_function_chooses_the_backend(changes, backend):
+    assert choose_backend(facts(**changes)) == backend
+
+
+def test_the_engine_runs_the_chosen_backend_and_says_so(tiny32, wide_heads_bf16, monkeypatch):
+    for loaded, expected in ((tiny32, "kernel"), (wide_heads_bf16[0], "tiled" if TILED else "kernel")):
+        engine = make_engine(loaded, budget_bytes=4 << 20)
+        engine.stop()
+        assert engine.runner.backend.name == expected
+        assert engine.runner.facts.device == "cpu"
+    monkeypatch.setattr(kernels, "paged_decode_available", lambda: False)
+    engine = make_engine(tiny32, budget_bytes=4 << 20)
+    engine.stop()
+    assert engine.runner.backend.name == "sdpa"
+
+
+# -- the kernel backend (fp32 here) ----------------------------------------------------------------------------------
+async def test_short_and_long_rows_of_one_step_take_both_attention_paths(tiny32, monkeypatch):
+    monkeypatch.setattr(backends, "KERNEL_MAX_CONTEXT", 24)  # the short prompts' rows: kernel; the long: SDPA
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
+    backend = engine.runner.backend
+    if backend.name != "kernel":
+        engine.stop()
+        pytest.skip("no C++ compiler: every row is an SDPA call")
+    backend.uses_heads = False  # else the long row reads its leading blocks as a head (tested below)
+    backend.lone_rows = SDPA  # as where SDPA was timed fastest for a lone long row
+    seen: list[tuple[int, int]] = []
+    spy_steps(
+        engine.runner,
+        monkeypatch,
+        lambda rows, meta: seen.append((0 if meta.decode is None else len(meta.decode.rows), len(meta.spans))),
+    )
     prompts = [words(tiny32, "Paris is"), words(tiny32, "The quick brown fox jumps over the lazy dog. " * 4)]
     try:
         got = await asyncio.gather(
@@ -57,24 +110,21 @@ async def test_short_and_long_rows_of_one_step_take_both_attention_paths(tiny32,
 @pytest.mark.parametrize("gathered", [False, True], ids=["view", "gathered"])
 async def test_rows_behind_one_cached_prefix_attend_to_it_in_one_call(tiny32, monkeypatch, gathered):
     """Cascade attention: decode rows sharing prefix blocks get one head; each row's ids stay HF generate()'s."""
-    monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 8)  # every row here is long: heads or SDPA
+    monkeypatch.setattr(backends, "KERNEL_MAX_CONTEXT", 8)  # every row here is long: heads or SDPA
     engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
-    if not engine.runner.uses_heads:
+    backend = engine.runner.backend
+    if backend.name != "kernel" or not backend.uses_heads:
         engine.stop()
         pytest.skip("no C++ compiler: every long row is an SDPA call")
     if gathered:  # as when the prefix's blocks are scattered: the head's keys are gathered by slot ids
-        runner, bs = engine.runner, engine.runner.pool.block_size
-        monkeypatch.setattr(runner, "_head_slots", lambda b: runner._long(runner.pool.slot_ids(b, 0, len(b) * bs)))
-    heads: list[list[int]] = []  # per head seen: how many rows shared it
-    prepare = engine.runner._prepare
-
-    def spy(rows):
-        meta, *rest = prepare(rows)
-        if meta.decode is not None:
-            heads.extend([head.rows.numel() for head in meta.decode.heads])
-        return (meta, *rest)
-
-    monkeypatch.setattr(engine.runner, "_prepare", spy)
+        bs = backend.pool.block_size
+        monkeypatch.setattr(backend, "_head_slots", lambda b: backend._long(backend.pool.slot_ids(b, 0, len(b) * bs)))
+    heads: list[int] = []  # per head seen: how many rows shared it
+    spy_steps(
+        engine.runner,
+        monkeypatch,
+        lambda rows, meta: heads.extend(h.rows.numel() for h in meta.decode.heads) if meta.decode else None,
+    )
     system = words(tiny32, "You are a terse assistant who answers in one word. " * 3)
     prompts = [system + words(tiny32, tail) for tail in ("Paris is", "Rome was", "The sea")]
     try:
@@ -91,22 +141,19 @@ async def test_rows_behind_one_cached_prefix_attend_to_it_in_one_call(tiny32, mo
 
 async def test_a_lone_long_row_reads_its_leading_run_as_a_head(tiny32, monkeypatch):
     """A row sharing nothing: its leading run of consecutive blocks is its head, the scattered rest the kernel's."""
-    monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 8)
+    monkeypatch.setattr(backends, "KERNEL_MAX_CONTEXT", 8)
     engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
-    if not engine.runner.uses_heads:
+    backend = engine.runner.backend
+    if backend.name != "kernel" or not backend.uses_heads:
         engine.stop()
         pytest.skip("no C++ compiler: every long row is an SDPA call")
-    engine.runner.lone_rows = model_runner.HEAD  # as where a head was timed fastest for a lone long row
+    backend.lone_rows = HEAD  # as where a head was timed fastest for a lone long row
     lengths: list[int] = []
-    prepare = engine.runner._prepare
-
-    def spy(rows):
-        meta, *rest = prepare(rows)
-        if meta.decode is not None:
-            lengths.extend(head.length for head in meta.decode.heads)
-        return (meta, *rest)
-
-    monkeypatch.setattr(engine.runner, "_prepare", spy)
+    spy_steps(
+        engine.runner,
+        monkeypatch,
+        lambda rows, meta: lengths.extend(h.length for h in meta.decode.heads) if meta.decode else None,
+    )
     # Two sequences decoding side by side take new blocks in turn: neither context stays one run of blocks.
     prompts = [words(tiny32, "The quick brown fox jumps over the lazy dog. " * 3), words(tiny32, "Paris is " * 9)]
     try:
@@ -121,25 +168,31 @@ async def test_a_lone_long_row_reads_its_leading_run_as_a_head(tiny32, monkeypat
         assert result.token_ids == reference_greedy(tiny32.model, prompt, 16)
 
 
-def decode_row(at: int, table: list[int], ctx_len: int) -> model_runner.DecodeRow:
+def decode_row(at: int, table: list[int], ctx_len: int) -> DecodeRow:
     """A decode row on these blocks (each with its stamp: the contents it was handed out for)."""
-    return model_runner.DecodeRow(at, table, ctx_len, [Block(i, stamp=1000 + i) for i in table])
+    return DecodeRow(at, table, ctx_len, [Block(i, stamp=1000 + i) for i in table])
+
+
+def kernel_backend(tiny32):
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
+    engine.stop()
+    if engine.runner.backend.name != "kernel":
+        pytest.skip("no C++ compiler: every row is an SDPA call")
+    return engine.runner.backend
 
 
 def test_heads_group_rows_by_their_shared_blocks(tiny32):
     """Routing: shared full blocks make one head, a lone row's consecutive run its own, a long tail goes to SDPA."""
-    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
-    engine.stop()
-    runner, Row = engine.runner, decode_row
-    runner.lone_rows = model_runner.SDPA  # as where SDPA on a view was timed fastest for a lone long row
-    k = model_runner.KERNEL_MAX_CONTEXT
+    backend, Row = kernel_backend(tiny32), decode_row
+    backend.lone_rows = SDPA  # as where SDPA on a view was timed fastest for a lone long row
+    k = backends.KERNEL_MAX_CONTEXT
     shared = [90, 7, 3, 50] * (k // 16 + 1)  # scattered blocks, 4 keys each: more keys than the kernel takes
     a = Row(0, [*shared, 11, 12], len(shared) * 4 + 5)
     b = Row(1, [*shared, 13], len(shared) * 4 + 2)
     lone = Row(2, [*range(200, 200 + 2 * k // 4), 5], 2 * k + 3)
     too_long = Row(3, [60, *range(300, 300 + k // 2)], 4 + k * 2 + 1)  # a 4-key run, then k * 2 keys
     one_run = Row(4, list(range(400, 400 + k // 2)), k * 2)  # SDPA on a view beats a head here
-    heads, taken = runner._heads([a, b, lone, too_long, one_run])
+    heads, taken = backend._heads([a, b, lone, too_long, one_run])
     assert taken == [a, b, lone]
     assert [h.rows.tolist() for h in heads] == [[0, 1], [2]]
     assert [h.length for h in heads] == [len(shared) * 4, 2 * k]
@@ -149,37 +202,9 @@ def test_heads_group_rows_by_their_shared_blocks(tiny32):
     assert (a.head, b.head, lone.head, too_long.head, one_run.head) == (len(shared) * 4, len(shared) * 4, 2 * k, 0, 0)
 
 
-def test_a_head_keeps_its_layout_while_its_blocks_keep_their_stamps(tiny32):
-    """The runner keys a kept layout by its blocks' stamps: the same blocks handed out again (new stamps) get a
-    new layout, and a step without the head drops it."""
-    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
-    engine.stop()
-    runner = engine.runner
-    runner.prefill_kernel = True  # heads of several rows go to the kernel (routing only: nothing runs here)
-    k = model_runner.KERNEL_MAX_CONTEXT
-    shared = list(range(10, 10 + k // 4 + 2))
-
-    def pair(stamp_base: int) -> list[model_runner.DecodeRow]:
-        blocks = [Block(i, stamp=stamp_base + i) for i in shared]
-        rows = [
-            model_runner.DecodeRow(at, [*shared, 90 + at], len(shared) * 4 + 3, [*blocks, Block(90 + at)])
-            for at in (0, 1)
-        ]
-        return rows
-
-    (first,), _ = runner._heads(pair(1000))
-    (again,), _ = runner._heads(pair(1000))
-    (reused,), _ = runner._heads(pair(5000))
-    assert first.laid_out is not None
-    assert again.laid_out is first.laid_out
-    assert reused.laid_out is not first.laid_out
-    runner._heads([])
-    assert runner.head_layouts.num_kept == 0
-
-
-def lone_rows_case(runner):
+def lone_rows_case():
     """A shared pair, a lone row on scattered blocks and a lone row on one run of blocks, all long."""
-    Row, k = decode_row, model_runner.KERNEL_MAX_CONTEXT
+    Row, k = decode_row, backends.KERNEL_MAX_CONTEXT
     shared = [90, 7, 3, 50] * (k // 16 + 1)
     a = Row(0, [*shared, 11, 12], len(shared) * 4 + 5)
     b = Row(1, [*shared, 13], len(shared) * 4 + 2)
@@ -191,15 +216,11 @@ def lone_rows_case(runner):
 @pytest.mark.parametrize("way", ["kernel", "head"])
 def test_lone_long_rows_go_the_way_timed_fastest(tiny32, way):
     """Timed fastest, the kernel takes lone rows whole (no head, no SDPA); heads take even a one-run row's lead."""
-    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
-    engine.stop()
-    runner = engine.runner
-    if not runner.uses_heads:
-        pytest.skip("no C++ compiler: every long row is an SDPA call")
-    runner.lone_rows = way
-    a, b, lone, one_run = lone_rows_case(runner)
-    _heads, taken = runner._heads([a, b, lone, one_run])
-    k = model_runner.KERNEL_MAX_CONTEXT
+    backend = kernel_backend(tiny32)
+    backend.lone_rows = way
+    a, b, lone, one_run = lone_rows_case()
+    _heads, taken = backend._heads([a, b, lone, one_run])
+    k = backends.KERNEL_MAX_CONTEXT
     if way == "kernel":
         assert taken == [a, b]  # rows that share blocks still share a head
         assert (lone.head, one_run.head) == (0, 0)
@@ -209,29 +230,27 @@ def test_lone_long_rows_go_the_way_timed_fastest(tiny32, way):
 
 
 async def test_a_lone_row_on_one_run_of_blocks_goes_to_sdpa_only_where_sdpa_was_fastest(tiny32, monkeypatch):
-    monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 8)
+    monkeypatch.setattr(backends, "KERNEL_MAX_CONTEXT", 8)
     engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
-    if not engine.runner.uses_kernel:
+    backend = engine.runner.backend
+    if backend.name != "kernel":
         engine.stop()
         pytest.skip("no C++ compiler: every row is an SDPA call")
     # Each alone, sharing no prefix with the other: its blocks are one run.
     prompts = {
-        model_runner.SDPA: words(tiny32, "The quick brown fox jumps over the lazy dog. " * 3),
-        model_runner.KERNEL: words(tiny32, "Paris is the capital of France, and Rome of Italy. " * 3),
+        SDPA: words(tiny32, "The quick brown fox jumps over the lazy dog. " * 3),
+        KERNEL: words(tiny32, "Paris is the capital of France, and Rome of Italy. " * 3),
     }
     decode_paths: dict[str, set[str]] = {}
-    prepare = engine.runner._prepare
 
-    def spy(rows):
-        meta, *rest = prepare(rows)
+    def record(rows, meta):
         if len(rows) == 1 and len(rows[0].token_ids) == 1:
-            decode_paths.setdefault(engine.runner.lone_rows, set()).add("kernel" if meta.decode else "sdpa")
-        return (meta, *rest)
+            decode_paths.setdefault(backend.lone_rows, set()).add("kernel" if meta.decode else "sdpa")
 
-    monkeypatch.setattr(engine.runner, "_prepare", spy)
+    spy_steps(engine.runner, monkeypatch, record)
     try:
         for way, prompt in prompts.items():
-            engine.runner.lone_rows = way
+            backend.lone_rows = way
             result = await run(engine, prompt, rid=way, max_tokens=6, ignore_eos=True)
             assert result.token_ids == reference_greedy(tiny32.model, prompt, 6)
     finally:
@@ -240,7 +259,7 @@ async def test_a_lone_row_on_one_run_of_blocks_goes_to_sdpa_only_where_sdpa_was_
 
 
 def test_timing_a_lone_row_picks_the_fastest_way(tiny32, monkeypatch):
-    """The start-up timing runs each way on the pool (the head only where there is one); the runner takes the
+    """The start-up timing runs each way on the pool (the head only where there is one); the backend takes the
     least time's way."""
     from server.kv import routing
 
@@ -256,10 +275,10 @@ def test_timing_a_lone_row_picks_the_fastest_way(tiny32, monkeypatch):
     monkeypatch.setattr(routing, "_best_us", best_us)
     engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
     engine.stop()
-    if not engine.runner.uses_kernel:
+    if engine.runner.backend.name != "kernel":
         pytest.skip("no C++ compiler: no choice to make")
     assert timed == [routing.KERNEL, routing.SDPA, routing.HEAD]
-    assert engine.runner.lone_rows == routing.HEAD
+    assert engine.runner.backend.lone_rows == routing.HEAD
     fake[routing.KERNEL] = 0.5
     route = routing.time_lone_row(engine.runner.pool, int(tiny32.model.config.num_attention_heads))
     assert route.way == routing.KERNEL
@@ -267,164 +286,187 @@ def test_timing_a_lone_row_picks_the_fastest_way(tiny32, monkeypatch):
     assert "head 1 us" in route.describe
 
 
+# -- the tiled backend (bf16, head size 64) ----------------------------------------------------------------------------
+def close_to_float64(loaded, directory, prompts, results) -> float:
+    """The worst gap between each decoded token's log-probability and float64's over the same ids."""
+    from transformers import LlamaForCausalLM
+
+    exact = LlamaForCausalLM.from_pretrained(directory).to(torch.bfloat16).to(torch.float64)  # bf16 weights, in fp64
+    worst = 0.0
+    for prompt, result in zip(prompts, results, strict=True):
+        ids = prompt + result.token_ids
+        with torch.inference_mode():
+            want = torch.log_softmax(exact(torch.tensor([ids[:-1]])).logits[0, len(prompt) - 1 :], -1)
+        for step, lp in enumerate(result.logprobs):
+            worst = max(worst, abs(lp.logprob - float(want[step, lp.token_id])))
+    return worst
+
+
+@needs_tiled
 async def test_prefill_chunks_of_one_step_go_to_the_prefill_kernel_in_one_call(wide_heads_bf16, monkeypatch):
     """Two prompts prefilled side by side in chunks, later chunks reading earlier ones' K/V through the table: the
     first token's log-probabilities are as close to float64's as the SDPA path's (greedy ids may part later: bf16
     rounds differently on each path, as it does between batch neighbours)."""
-    from transformers import LlamaForCausalLM
-
     loaded, directory = wide_heads_bf16
     prompts = [
         words(loaded, "The quick brown fox jumps over the lazy dog. " * 6),
         words(loaded, "Paris is the capital of France; Berlin is the capital of Germany. " * 3),
     ]
-    exact = LlamaForCausalLM.from_pretrained(directory).to(torch.bfloat16).to(torch.float64)  # bf16 weights, in fp64
-    with torch.inference_mode():
-        want = [torch.log_softmax(exact(torch.tensor([p])).logits[0, -1], -1) for p in prompts]
     errors: dict[bool, float] = {}
     chunks_seen: dict[bool, list[int]] = {}
     behind: list[int] = []  # keys before a chunk's own tokens, per chunk the kernel took
     for use_kernel in (True, False):
         engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4, max_batch_tokens=8)
-        if not kernels.paged_prefill_available(torch.bfloat16, 64):
-            engine.stop()
-            pytest.skip("no AVX512-BF16 build: prefill chunks use SDPA")
-        engine.runner.prefill_kernel = use_kernel
+        engine.runner.backend.chunks_by_kernel = use_kernel
         seen = chunks_seen.setdefault(use_kernel, [])
-        prepare = engine.runner._prepare
 
-        def spy(rows, prepare=prepare, seen=seen):
-            meta, *rest = prepare(rows)
+        def record(rows, meta, seen=seen):
             seen.append(0 if meta.prefill is None else meta.prefill.q_starts.numel())
             if meta.prefill is not None:
                 behind.extend((meta.prefill.context_lens - meta.prefill.q_lens).tolist())
-            return (meta, *rest)
 
-        monkeypatch.setattr(engine.runner, "_prepare", spy)
+        spy_steps(engine.runner, monkeypatch, record)
         try:
             got = await asyncio.gather(
                 *(run(engine, p, rid=f"r{i}", max_tokens=1, num_logprobs=5) for i, p in enumerate(prompts))
             )
         finally:
             engine.stop()
-        errors[use_kernel] = max(
-            abs(logprob - float(reference[token]))
-            for result, reference in zip(got, want, strict=True)
-            for token, logprob in result.logprobs[0].top
-        )
-        for result, reference in zip(got, want, strict=True):
-            assert result.token_ids == [int(reference.argmax())]
+        errors[use_kernel] = close_to_float64(loaded, directory, prompts, got)
     assert max(chunks_seen[True]) == 2  # both prompts' chunks in one call
     assert max(behind) > 0  # and chunks that read earlier chunks' K/V from the pool
-    assert max(chunks_seen[False]) == 0  # the SDPA path: spans
+    assert max(chunks_seen[False]) == 0  # SDPA: spans
     assert errors[True] < 0.5, errors  # a chunk that missed its earlier keys is off by units
     assert errors[True] <= 2 * errors[False] + 0.05, errors
 
 
-async def test_rows_behind_one_cached_prefix_read_it_through_the_kernel_as_exactly_as_through_flash(
-    wide_heads_bf16, monkeypatch
-):
-    """Cascade heads by the paged kernel (its blocks read in place, once for all rows): the log-probabilities of
-    each decoded token are as close to float64's as with torch's flash attention for the heads."""
-    from transformers import LlamaForCausalLM
-
+@needs_tiled
+async def test_every_decode_row_of_a_step_walks_in_one_call_close_to_float64(wide_heads_bf16, monkeypatch):
+    """Short and long decode rows alike, on blocks scattered by neighbours: one call of the walk per step."""
     loaded, directory = wide_heads_bf16
-    system = words(loaded, "You are a terse assistant who answers in one word. " * 8)
+    prompts = [words(loaded, "Paris is"), words(loaded, "The quick brown fox jumps over the lazy dog. " * 12)]
+    decode_rows: list[int] = []  # per step: decode rows in the walk's call (-1: a decode row went to SDPA)
+    engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
+    spy_steps(
+        engine.runner,
+        monkeypatch,
+        lambda rows, meta: decode_rows.append(
+            -1 if any(s.q_len == 1 for s in meta.spans) else (0 if meta.decode is None else meta.decode.rows.numel())
+        ),
+    )
+    try:
+        got = await asyncio.gather(
+            *(run(engine, p, rid=f"r{i}", max_tokens=8, ignore_eos=True, num_logprobs=1) for i, p in enumerate(prompts))
+        )
+    finally:
+        engine.stop()
+    assert -1 not in decode_rows  # no SDPA span: the walk took every row
+    assert max(decode_rows) == 2  # both prompts' decode rows (one of 600 keys, one of a few) in one call
+    assert close_to_float64(loaded, directory, prompts, got) < 0.5
+
+
+async def tiled_rows_behind_a_prefix(loaded, monkeypatch, *, head_min_keys: int, keep_layouts: bool = True):
+    """Three conversations behind one cached 600-token prompt, decoded together: their results, and per step the
+    heads seen (rows sharing each, its keys, whether kept laid out), the layouts made and whether they were dropped
+    once the engine had nothing to run."""
+    monkeypatch.setattr(backends, "TILED_HEAD_MIN_KEYS", head_min_keys)
+    system = words(loaded, "You are a terse assistant who answers in one word. " * 16)
     prompts = [system + words(loaded, tail) for tail in ("Paris is", "Rome was", "The sea")]
-    errors: dict[bool, float] = {}
-    head_blocks: dict[bool, list[bool]] = {}
-    exact = LlamaForCausalLM.from_pretrained(directory).to(torch.bfloat16).to(torch.float64)
-    for use_kernel in (True, False):
-        engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
-        if not kernels.paged_prefill_available(torch.bfloat16, 64):
-            engine.stop()
-            pytest.skip("no AVX512-BF16 build: heads use flash attention")
-        monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 8)  # every decode row here is long
-        engine.runner.prefill_kernel = use_kernel
-        seen = head_blocks.setdefault(use_kernel, [])
-        prepare = engine.runner._prepare
-
-        def spy(rows, prepare=prepare, seen=seen):
-            meta, *rest = prepare(rows)
-            if meta.decode is not None:
-                seen.extend(head.blocks is not None for head in meta.decode.heads if head.rows.numel() > 1)
-            return (meta, *rest)
-
-        monkeypatch.setattr(engine.runner, "_prepare", spy)
-        try:
-            await run(engine, system, rid="warm", max_tokens=1)  # caches the shared prefix's blocks
-            got = await asyncio.gather(
-                *(run(engine, p, rid=f"r{i}", max_tokens=6, num_logprobs=1) for i, p in enumerate(prompts))
-            )
-        finally:
-            engine.stop()
-        worst = 0.0
-        for prompt, result in zip(prompts, got, strict=True):
-            ids = prompt + result.token_ids
-            with torch.inference_mode():
-                logits = exact(torch.tensor([ids[:-1]])).logits[0, len(prompt) - 1 :]
-            want = torch.log_softmax(logits, -1)
-            for step, lp in enumerate(result.logprobs):
-                worst = max(worst, abs(lp.logprob - float(want[step, lp.token_id])))
-        errors[use_kernel] = worst
-    assert head_blocks[True], "no step shared a head"
-    assert all(head_blocks[True])  # each shared head read by the kernel
-    assert not any(head_blocks[False])  # by flash attention
-    assert errors[True] < 0.5, errors
-    assert errors[True] <= 2 * errors[False] + 0.05, errors
+    # deterministic: rows batched however the steps fall, chunks by the walk (not by what timing at start chose)
+    engine = make_engine(loaded, budget_bytes=8 << 20, block_size=4, max_batch_tokens=256, deterministic=True)
+    backend = engine.runner.backend
+    if not keep_layouts:
+        backend.head_layouts.limit_bytes = 0  # nothing fits: each call lays its head out
+    heads: list[tuple[int, int, bool]] = []
+    spy_steps(
+        engine.runner,
+        monkeypatch,
+        lambda rows, meta: heads.extend(
+            (h.rows.numel(), h.length, h.laid_out is not None) for h in (meta.decode.heads if meta.decode else [])
+        ),
+    )
+    try:
+        await run(engine, system, rid="warm", max_tokens=1)  # caches the shared prefix's blocks
+        before = backend.head_layouts.num_made
+        results = await asyncio.gather(
+            *(run(engine, p, rid=f"r{i}", max_tokens=6, num_logprobs=2) for i, p in enumerate(prompts))
+        )
+        made = backend.head_layouts.num_made - before
+        layouts = backend.head_layouts
+        await wait_until_async(lambda: layouts.num_kept == 0, what="the kept layouts dropped when idle")
+    finally:
+        engine.stop()
+    return prompts, results, heads, made
 
 
-async def test_a_head_kept_laid_out_across_steps_answers_exactly_as_one_laid_out_each_call(
-    wide_heads_bf16, monkeypatch
-):
-    """Rows behind one cached prefix decode from its layout, made once per layer and kept while they decode;
-    every token and log-probability is the one the kernel gives when it lays the head out on every call."""
-    loaded, _ = wide_heads_bf16
-    system = words(loaded, "You are a terse assistant who answers in one word. " * 8)
-    prompts = [system + words(loaded, tail) for tail in ("Paris is", "Rome was", "The sea")]
-    monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 8)  # every decode row here is long
-    results, made, kept_heads, steps_with_head = {}, {}, {}, {}
-    for keep in (True, False):
-        engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256)
-        if not engine.runner.prefill_kernel:
-            engine.stop()
-            pytest.skip("no AVX512-BF16 build (or SDPA timed faster): heads use flash attention")
-        if not keep:
-            engine.runner.head_layouts.limit_bytes = 0  # nothing fits: each call lays its head out
-        layouts, steps = kept_heads.setdefault(keep, set()), steps_with_head.setdefault(keep, [0])
-        prepare = engine.runner._prepare
+def same_answers(a, b) -> bool:
+    def exact(result):
+        return result.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in result.logprobs]
 
-        def spy(rows, prepare=prepare, layouts=layouts, steps=steps):
-            meta, *rest = prepare(rows)
-            shared = [h for h in (meta.decode.heads if meta.decode else []) if h.rows.numel() > 1]
-            steps[0] += bool(shared)
-            layouts.update(id(h.laid_out) for h in shared if h.laid_out is not None)
-            return (meta, *rest)
+    return [exact(x) for x in a] == [exact(y) for y in b]
 
-        monkeypatch.setattr(engine.runner, "_prepare", spy)
-        try:
-            await run(engine, system, rid="warm", max_tokens=1)  # caches the shared prefix's blocks
-            before = engine.runner.head_layouts.num_made
-            results[keep] = await asyncio.gather(
-                *(run(engine, p, rid=f"r{i}", max_tokens=6, num_logprobs=2) for i, p in enumerate(prompts))
-            )
-            made[keep] = engine.runner.head_layouts.num_made - before
-            # once the engine has nothing to run, the kept layouts' memory goes (at its next tick at the latest)
-            layouts_of = engine.runner.head_layouts
-            await wait_until_async(lambda kept=layouts_of: kept.num_kept == 0, what="the layouts dropped")
-        finally:
-            engine.stop()
-    layers = loaded.model.config.num_hidden_layers
-    assert steps_with_head[True][0] >= 3  # the head served several steps ...
-    assert len(kept_heads[True]) == 1
-    assert made[True] == layers
-    assert made[False] == 0
-    assert not kept_heads[False]
-    for kept, per_call in zip(results[True], results[False], strict=True):
-        assert kept.token_ids == per_call.token_ids
-        assert [(lp.token_id, lp.logprob, lp.top) for lp in kept.logprobs] == [
-            (lp.token_id, lp.logprob, lp.top) for lp in per_call.logprobs
-        ]
+
+@needs_tiled
+async def test_rows_behind_a_cached_prefix_share_a_head_and_answer_bit_for_bit_as_without(wide_heads_bf16, monkeypatch):
+    """Cascade heads in the walk: the rows' shared prefix is walked once for all of them, to a walk step (64 keys),
+    and each row resumes from there; every token and log-probability is exactly the one walking alone gives, kept
+    laid out across steps (one layout per layer) or laid out on each call."""
+    loaded, directory = wide_heads_bf16
+    prompts, kept, heads, made = await tiled_rows_behind_a_prefix(loaded, monkeypatch, head_min_keys=256)
+    _, per_call, heads_per_call, made_per_call = await tiled_rows_behind_a_prefix(
+        loaded, monkeypatch, head_min_keys=256, keep_layouts=False
+    )
+    _, alone, no_heads, _ = await tiled_rows_behind_a_prefix(loaded, monkeypatch, head_min_keys=1 << 30)
+    shared_heads = [h for h in heads if h[0] > 1]
+    assert len(shared_heads) >= 3, heads  # the head served several steps ...
+    assert {rows for rows, _, _ in shared_heads} == {3}  # ... of the three rows
+    assert all(keys % 64 == 0 and keys >= 256 for _, keys, _ in heads)
+    assert all(laid_out for _, _, laid_out in heads)
+    assert made == loaded.model.config.num_hidden_layers  # laid out once per layer, then kept
+    assert made_per_call == 0
+    assert heads_per_call
+    assert not any(laid_out for _, _, laid_out in heads_per_call)
+    assert not no_heads
+    assert same_answers(kept, alone)
+    assert same_answers(per_call, alone)
+    monkeypatch.setattr(kernels, "paged_decode_available", lambda: False)  # the same turns, every row by SDPA
+    sdpa = make_engine(loaded, budget_bytes=8 << 20, block_size=4)
+    try:
+        assert sdpa.runner.backend.name == "sdpa"
+        by_sdpa = await asyncio.gather(
+            *(run(sdpa, p, rid=f"s{i}", max_tokens=6, num_logprobs=2) for i, p in enumerate(prompts))
+        )
+    finally:
+        sdpa.stop()
+    error, sdpa_error = (close_to_float64(loaded, directory, prompts, got) for got in (kept, by_sdpa))
+    assert error <= 2 * sdpa_error + 0.05, (error, sdpa_error)  # bf16's own distance from float64, not more
+
+
+def test_tiled_heads_take_rows_sharing_enough_whole_walk_steps(wide_heads_bf16):
+    """Routing: rows sharing blocks make a head of their common keys cut to a walk step (and never their own
+    token's), when that is at least TILED_HEAD_MIN_KEYS; a lone row walks alone; layouts are keyed by stamps."""
+    if not TILED:
+        pytest.skip("no AVX512-BF16 build")
+    engine = make_engine(wide_heads_bf16[0], budget_bytes=8 << 20, block_size=4)
+    engine.stop()
+    backend, Row = engine.runner.backend, decode_row
+    shared = list(range(100, 100 + 75))  # 300 keys: a head of 256
+    a = Row(0, [*shared, 11], 303)
+    b = Row(1, [*shared, 12, 13], 305)
+    short = [Row(2, [*shared[:60], 14], 242), Row(3, [*shared[:60], 15], 242)]  # 240 shared: not enough
+    lone = Row(4, list(range(300, 400)), 400)
+    heads, taken = backend._heads([a, *short, b, lone])
+    assert taken == [a, b]
+    assert [(h.rows.tolist(), h.length) for h in heads] == [([0, 1], 256)]
+    assert heads[0].blocks.tolist() == shared[:64]
+    assert (a.head, b.head, short[0].head, lone.head) == (256, 256, 0, 0)
+    again, _ = backend._heads([Row(0, [*shared, 11], 303), Row(1, [*shared, 12], 303)])
+    assert again[0].laid_out is heads[0].laid_out  # same blocks, same stamps: the kept layout
+    restamped = [DecodeRow(0, [*shared, 11], 303, [Block(i, stamp=9000 + i) for i in [*shared, 11]])] * 2
+    other, _ = backend._heads(restamped)
+    assert other[0].laid_out is not heads[0].laid_out  # the blocks were handed out again: a new layout
+    backend.rest()
+    assert backend.head_layouts.num_kept == 0
 
 
 def wide_family(family: str, directory: Path):
@@ -459,7 +501,8 @@ async def test_prefill_chunks_over_an_8_bit_pool_with_windows_or_softcaps_are_sp
     loaded = wide_family(family, tmp_path)
     engine = make_engine(loaded, budget_bytes=4 << 20, block_size=4, max_batch_tokens=8, kv_dtype="int8")
     assert engine.runner.layout.is_quantized
-    assert not engine.runner.prefill_kernel
+    assert engine.runner.backend.name == "kernel"
+    assert not engine.runner.backend.chunks_by_kernel
     chunks: list[tuple[int, int]] = []  # per step: (chunks for the prefill kernel, spans)
     prepare = engine.runner._prepare
 
@@ -483,12 +526,12 @@ async def test_rows_behind_one_cached_prefix_of_an_8_bit_pool_take_no_head(tiny,
     """Cascade heads read the pool's rows as they are (flash attention, or the kernel's layout): never an 8-bit
     pool's, whose rows each kernel row dequantizes as it reads them. Every long decode row goes to the kernel
     whole, and each conversation's ids are those it gets alone on a fresh 8-bit pool."""
-    monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 8)  # every decode row here is long: heads, were they used
+    monkeypatch.setattr(backends, "KERNEL_MAX_CONTEXT", 8)  # every decode row here is long: heads, were they used
     engine = make_engine(tiny, budget_bytes=4 << 20, block_size=4, max_batch_tokens=256, kv_dtype="int8")
-    if not engine.runner.uses_kernel:
+    if engine.runner.backend.name != "kernel":
         engine.stop()
         pytest.skip("no C++ compiler: every row is an SDPA call")
-    assert not engine.runner.uses_heads
+    assert not engine.runner.backend.uses_heads
     steps: list[tuple[int, int, int]] = []  # decode-only steps: (heads, kernel rows, spans)
     prepare = engine.runner._prepare
 
@@ -519,9 +562,10 @@ async def test_rows_behind_one_cached_prefix_of_an_8_bit_pool_take_no_head(tiny,
         assert result.token_ids == reference.token_ids
 
 
-@pytest.mark.parametrize("way", [model_runner.KERNEL, model_runner.SDPA])
+@pytest.mark.parametrize("way", [KERNEL, SDPA])
 async def test_prefill_chunks_go_the_way_timed_faster_at_start(wide_heads_bf16, monkeypatch, way):
-    """Where the prefill kernel serves the pool, chunks go the way the start-up timing found faster."""
+    """Where the prefill kernel serves the pool (the tiled backend, out of deterministic mode), chunks go the way the
+    start-up timing found faster."""
     from server.kv.routing import PrefillRoute
 
     if not kernels.paged_prefill_available(torch.bfloat16, 64):
@@ -530,7 +574,7 @@ async def test_prefill_chunks_go_the_way_timed_faster_at_start(wide_heads_bf16, 
 
     def time_prefill(pool, num_heads):
         timed.append(way)
-        other = model_runner.SDPA if way == model_runner.KERNEL else model_runner.KERNEL
+        other = SDPA if way == KERNEL else KERNEL
         return PrefillRoute(way, {way: 1.0, other: 2.0})
 
     monkeypatch.setattr(model_runner, "time_prefill", time_prefill)
@@ -551,7 +595,7 @@ async def test_prefill_chunks_go_the_way_timed_faster_at_start(wide_heads_bf16, 
     finally:
         engine.stop()
     assert timed == [way]
-    assert engine.runner.prefill_kernel == (way == model_runner.KERNEL)
+    assert engine.runner.backend.chunks_by_kernel == (way == KERNEL)
     assert result.error is None
     assert len(calls) > 2
-    assert all(n == (1 if way == model_runner.KERNEL else 0) for n in calls), calls
+    assert all(n == (1 if way == KERNEL else 0) for n in calls), calls

@@ -80,32 +80,38 @@ def laid_out(runner, monkeypatch) -> list[tuple[list[int], int, int, int]]:
     return steps
 
 
-async def test_the_mode_is_on_and_every_row_takes_one_kernel(bf16, monkeypatch):
+async def test_the_mode_is_on_and_every_row_takes_one_walk(bf16, monkeypatch):
     e = engine(bf16, max_batch_tokens=16)
     steps = laid_out(e.runner, monkeypatch)
+    tiled = kernels.paged_prefill_available(torch.bfloat16, 64)
     try:
         assert e.runner.deterministic
-        assert e.runner.deterministic_detail.startswith("on: attention by the ")
-        assert not e.runner.uses_heads
-        assert e.runner.prefill_kernel == kernels.paged_prefill_available(torch.bfloat16, 64)
+        assert e.runner.backend.name == ("tiled" if tiled else "kernel")
+        assert e.runner.deterministic_detail.startswith(f"on: attention by the {e.runner.backend.name} backend")
         # one prompt decodes while the other is prefilled in chunks: steps with a one-token row beside a chunk
         turns = [run(e, prompt(bf16, seed), rid=f"r{seed}", max_tokens=6, ignore_eos=True) for seed in (3, 4)]
         await asyncio.gather(*turns)
     finally:
         e.stop()
     assert any(1 in rows and max(rows) > 1 for rows, *_ in steps)
-    for rows, spans, decode, prefill in steps:  # a decode row too: a span of one token, or one kernel row
-        assert (spans, decode, prefill) == ((0, 0, len(rows)) if e.runner.prefill_kernel else (0, sum(rows), 0))
+    for (
+        rows,
+        spans,
+        decode,
+        prefill,
+    ) in steps:  # the tiled walk: chunks and decode rows; else kernel rows, token by token
+        chunks = sum(n > 1 for n in rows)
+        assert (spans, decode, prefill) == ((0, len(rows) - chunks, chunks) if tiled else (0, sum(rows), 0))
 
 
-async def test_without_the_prefill_kernel_every_token_is_a_decode_kernel_row_and_the_ids_hold(bf16, monkeypatch):
+async def test_without_the_tiled_kernel_every_token_is_a_decode_kernel_row_and_the_ids_hold(bf16, monkeypatch):
     monkeypatch.setattr(kernels, "paged_prefill_available", lambda dtype, head_dim: False)
     ids = prompt(bf16, SESSIONS[0])
     e = engine(bf16, max_batch_tokens=16)
     steps = laid_out(e.runner, monkeypatch)
     try:
         assert e.runner.deterministic
-        assert not e.runner.prefill_kernel
+        assert (e.runner.backend.name, e.runner.backend.every_token) == ("kernel", True)
         first = await run(e, ids[:30], session="s", max_tokens=5, ignore_eos=True)
         turn2 = ids[:30] + first.token_ids + ids[30:]
         second = await run(e, turn2, session="s", max_tokens=NEW, ignore_eos=True)
@@ -124,12 +130,12 @@ async def test_without_the_prefill_kernel_every_token_is_a_decode_kernel_row_and
 
 
 def test_an_8_bit_pool_is_read_by_the_decode_kernel(bf16):
-    # there a decode row would be a prefill span, and the prefill kernel reads a dequantized copy of its blocks
+    # the tiled walk reads bf16 keys only: an 8-bit pool's rows go to the kernel that dequantizes them, token by token
     e = engine(bf16, kv_dtype="int8")
     try:
         assert e.runner.deterministic
-        assert not e.runner.prefill_kernel
-        assert e.runner.deterministic_detail.startswith("on: attention by the decode kernel")
+        assert (e.runner.backend.name, e.runner.backend.every_token) == ("kernel", True)
+        assert e.runner.deterministic_detail.startswith("on: attention by the kernel backend")
     finally:
         e.stop()
 
@@ -205,10 +211,13 @@ async def test_batches_of_1_3_and_8_behind_a_cached_system_prompt_give_each_prom
         e = engine(bf16)
         try:
             await run(e, [*system, 7], rid="system", max_tokens=1)  # the rows share its cached blocks
+            head_rows = e.runner.backend.stats.num_head_rows
             turns = [run(e, p, rid=f"b{i}", max_tokens=NEW, ignore_eos=True) for i, p in enumerate(prompts[:size])]
             results = await asyncio.gather(*turns)
             assert all(r.admitted.num_cached >= 288 for r in results)
             assert [r.token_ids for r in results] == alone[:size], f"a batch of {size}"
+            if size > 1 and e.runner.backend.name == "tiled":  # the mode keeps cascade heads: rows shared the prompt
+                assert e.runner.backend.stats.num_head_rows > head_rows
         finally:
             e.stop()
 

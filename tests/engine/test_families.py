@@ -20,9 +20,9 @@ from transformers import (
     Qwen3Config,
 )
 
-from server.engine import model_runner
-from server.kv import kernels
+from server.kv import backends, kernels
 from server.kv.attention import unsupported_reason
+from server.kv.routing import HEAD, SDPA
 from server.models.loader import ModelLoadError, ModelSpec, load_model
 from tests.helpers import make_engine, reference_greedy, run
 from tests.tiny import build_tokenizer
@@ -78,12 +78,14 @@ async def test_paged_engine_matches_generate(family, path, tokenizer, tmp_path, 
     if path == "sdpa":  # the portable path: a machine without a compiler
         monkeypatch.setattr(kernels, "paged_decode_available", lambda: False)
     if path == "cascade":  # every decode row counts as long: heads where the layers allow, else whole rows
-        monkeypatch.setattr(model_runner, "KERNEL_MAX_CONTEXT", 4)
+        monkeypatch.setattr(backends, "KERNEL_MAX_CONTEXT", 4)
     engine = make_engine(loaded, budget_bytes=1 << 22, block_size=4)
+    backend = engine.runner.backend
+    assert backend.name == ("sdpa" if path == "sdpa" else "kernel")  # float64: the decode kernel's pools
+    if path != "sdpa":
+        assert backend.uses_heads == (family in ("gemma", "llama", "qwen3"))
     if path == "cascade":  # lone long rows: a head of their leading run where the layers allow, else SDPA on a view
-        engine.runner.lone_rows = model_runner.HEAD if engine.runner.uses_heads else model_runner.SDPA
-    assert engine.runner.uses_kernel == (path != "sdpa")
-    assert engine.runner.uses_heads == (path != "sdpa" and family in ("gemma", "llama", "qwen3"))
+        backend.lone_rows = HEAD if backend.uses_heads else SDPA
     try:
         prompt = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
         assert len(prompt) > 2 * WINDOW

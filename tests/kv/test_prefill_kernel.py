@@ -134,27 +134,38 @@ def test_it_serves_bf16_pools_with_head_sizes_it_was_built_for():
     assert not kernels.paged_prefill_available(torch.float32, 64)
 
 
+def head_state(rows: int, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cascade head's walk state, filled with 7 (untouched): acc [n, H, D], max and sum [n, H], float32."""
+    return torch.full((rows, heads, dim), 7.0), torch.full((rows, heads), 7.0), torch.full((rows, heads), 7.0)
+
+
+def over_keys(query, k_pool, v_pool, table, block, keys) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of query [n, H, D] over keys 0 .. keys - 1, in float64: (attention [n, H, D], log-sum-exp [n, H])."""
+    heads, kv_heads, dim = query.shape[1], k_pool.shape[0], query.shape[-1]
+    slots = torch.tensor([table[p // block] * block + p % block for p in range(keys)])
+    k = k_pool[:, slots].double().repeat_interleave(heads // kv_heads, 0)  # [H, keys, D]
+    v = v_pool[:, slots].double().repeat_interleave(heads // kv_heads, 0)
+    scores = torch.einsum("nhd,hkd->nhk", query.double(), k) * dim**-0.5
+    return torch.einsum("nhk,hkd->nhd", torch.softmax(scores, -1), v), torch.logsumexp(scores, -1)
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block", "rows", "keys"), [(9, 3, 64, 16, 8, 1504), (8, 2, 128, 4, 3, 37)]
 )
-def test_rows_sharing_keys_attend_to_all_of_them_and_report_the_log_sum(heads, kv_heads, dim, block, rows, keys):
-    """A head of cascade attention: every row sees every key; lse is each row and head's log of the softmax sum."""
+def test_rows_sharing_keys_leave_the_walk_state_of_all_of_them(heads, kv_heads, dim, block, rows, keys):
+    """A head of cascade attention: every row sees every key; the state is the walk's unnormalised output with its
+    running max and sum (acc / sum is the attention, max + log(sum) the log of the softmax sum)."""
     num_blocks = -(-keys // block) + 3
     k_pool, v_pool = pool(kv_heads, dim, block, num_blocks, seed=4)
     (table,) = tables_for([(1, keys)], block, num_blocks, seed=5)
     gen = torch.Generator().manual_seed(6)
     query = torch.randn(rows, heads, dim, generator=gen).to(torch.bfloat16)  # [n, H, D]
-    out = torch.empty_like(query)
-    lse = torch.empty(rows, heads)
+    acc, run_max, run_sum = head_state(rows, heads, dim)
     blocks = torch.tensor(table, dtype=torch.int32)
-    torch.ops.kvserve.paged_shared_keys(query, k_pool, v_pool, out, lse, blocks, keys, block, dim**-0.5)
-    slots = torch.tensor([table[p // block] * block + p % block for p in range(keys)])
-    k = k_pool[:, slots].double().repeat_interleave(heads // kv_heads, 0)  # [H, keys, D]
-    v = v_pool[:, slots].double().repeat_interleave(heads // kv_heads, 0)
-    scores = torch.einsum("nhd,hkd->nhk", query.double(), k) * dim**-0.5
-    want = torch.einsum("nhk,hkd->nhd", torch.softmax(scores, -1), v)
-    assert (out.double() - want).abs().max().item() < TOLERANCE
-    assert (lse.double() - torch.logsumexp(scores, -1)).abs().max().item() < 1e-3
+    torch.ops.kvserve.paged_shared_keys(query, k_pool, v_pool, acc, run_max, run_sum, blocks, keys, block, dim**-0.5)
+    want, lse = over_keys(query, k_pool, v_pool, table, block, keys)
+    assert (acc.double() / run_sum.double()[..., None] - want).abs().max().item() < TOLERANCE
+    assert (run_max.double() + run_sum.double().log() - lse).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize(
@@ -162,30 +173,25 @@ def test_rows_sharing_keys_attend_to_all_of_them_and_report_the_log_sum(heads, k
     [(9, 3, 64, 16, 8, 1504), (8, 2, 128, 4, 3, 37), (4, 4, 64, 4, 5, 130)],
 )
 def test_a_head_laid_out_once_answers_as_the_kernel_reading_the_pool(heads, kv_heads, dim, block, rows, keys):
-    """A head's keys and values laid out once (kept across steps by the runner) give the very output and
-    log-sum of the call that lays them out itself, and both match float64 attention."""
+    """A head's keys and values laid out once (kept across steps by the runner) give the very state of the call
+    that lays them out itself, and both match float64 attention."""
     num_blocks = -(-keys // block) + 3
     k_pool, v_pool = pool(kv_heads, dim, block, num_blocks, seed=14)
     (table,) = tables_for([(1, keys)], block, num_blocks, seed=15)
     blocks = torch.tensor(table, dtype=torch.int32)
     query = torch.randn(rows, heads, dim, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
-    out, lse = torch.empty_like(query), torch.empty(rows, heads)
-    torch.ops.kvserve.paged_shared_keys(query, k_pool, v_pool, out, lse, blocks, keys, block, dim**-0.5)
+    state = head_state(rows, heads, dim)
+    torch.ops.kvserve.paged_shared_keys(query, k_pool, v_pool, *state, blocks, keys, block, dim**-0.5)
     laid_keys, laid_values = torch.ops.kvserve.paged_keys_layout(k_pool, v_pool, blocks, keys, block)
     tiles = -(-keys // 16)
     assert laid_keys.shape == (kv_heads, tiles * 16 * dim // 2)
     assert laid_values.shape == (kv_heads, tiles * 8 * dim)
-    got, got_lse = torch.full_like(query, 7.0), torch.zeros(rows, heads)
-    torch.ops.kvserve.shared_keys_from_layout(query, laid_keys, laid_values, got, got_lse, keys, dim**-0.5)
-    assert torch.equal(got, out)
-    assert torch.equal(got_lse, lse)
-    slots = torch.tensor([table[p // block] * block + p % block for p in range(keys)])
-    k = k_pool[:, slots].double().repeat_interleave(heads // kv_heads, 0)
-    v = v_pool[:, slots].double().repeat_interleave(heads // kv_heads, 0)
-    scores = torch.einsum("nhd,hkd->nhk", query.double(), k) * dim**-0.5
-    want = torch.einsum("nhk,hkd->nhd", torch.softmax(scores, -1), v)
-    assert (got.double() - want).abs().max().item() < TOLERANCE
-    assert (got_lse.double() - torch.logsumexp(scores, -1)).abs().max().item() < 1e-3
+    got = head_state(rows, heads, dim)
+    torch.ops.kvserve.shared_keys_from_layout(query, laid_keys, laid_values, *got, keys, dim**-0.5)
+    for a, b in zip(got, state, strict=True):
+        assert torch.equal(a, b)
+    want, _ = over_keys(query, k_pool, v_pool, table, block, keys)
+    assert (got[0].double() / got[2].double()[..., None] - want).abs().max().item() < TOLERANCE
 
 
 def test_a_layout_is_refused_for_keys_it_does_not_hold():
@@ -194,27 +200,35 @@ def test_a_layout_is_refused_for_keys_it_does_not_hold():
         k_pool, v_pool, torch.tensor([3, 1, 4, 0, 9], dtype=torch.int32), 17, 4
     )
     query = torch.randn(2, 4, 64).to(torch.bfloat16)
-    out, lse = torch.empty_like(query), torch.empty(2, 4)
+    state = head_state(2, 4, 64)
     with pytest.raises(RuntimeError, match="does not hold 33 keys"):  # 17 keys fill two tiles of 16, not three
-        torch.ops.kvserve.shared_keys_from_layout(query, laid_keys, laid_values, out, lse, 33, 0.125)
+        torch.ops.kvserve.shared_keys_from_layout(query, laid_keys, laid_values, *state, 33, 0.125)
     with pytest.raises(RuntimeError, match="not in the pool"):
         torch.ops.kvserve.paged_keys_layout(k_pool, v_pool, torch.tensor([0, 10], dtype=torch.int32), 8, 4)
     with pytest.raises(RuntimeError, match="do not fit the table"):
         torch.ops.kvserve.paged_keys_layout(k_pool, v_pool, torch.tensor([0, 1], dtype=torch.int32), 9, 4)
+    with pytest.raises(RuntimeError, match="acc is"):
+        torch.ops.kvserve.shared_keys_from_layout(query, laid_keys, laid_values, *head_state(2, 4, 32)[:1],
+                                                  *state[1:], 17, 0.125)  # fmt: skip
 
 
 def test_shared_keys_refuse_a_table_too_short():
     k_pool, v_pool = pool(2, 64, 4, 10, seed=1)
     query = torch.randn(2, 4, 64).to(torch.bfloat16)
-    out, lse = torch.empty_like(query), torch.empty(2, 4)
+    state = head_state(2, 4, 64)
     with pytest.raises(RuntimeError, match="do not fit the table"):
         torch.ops.kvserve.paged_shared_keys(
-            query, k_pool, v_pool, out, lse, torch.tensor([0, 1], dtype=torch.int32), 9, 4, 0.125
+            query, k_pool, v_pool, *state, torch.tensor([0, 1], dtype=torch.int32), 9, 4, 0.125
         )
     with pytest.raises(RuntimeError, match="not in the pool"):
         torch.ops.kvserve.paged_shared_keys(
-            query, k_pool, v_pool, out, lse, torch.tensor([0, 10], dtype=torch.int32), 8, 4, 0.125
+            query, k_pool, v_pool, *state, torch.tensor([0, 10], dtype=torch.int32), 8, 4, 0.125
         )
+    with pytest.raises(RuntimeError, match="max and sum"):
+        torch.ops.kvserve.paged_shared_keys(
+            query, k_pool, v_pool, state[0], state[1], torch.empty(3, 4), torch.tensor([0, 1], dtype=torch.int32),
+            8, 4, 0.125,
+        )  # fmt: skip
 
 
 def passes_for(spans, kv_heads: int, dim: int, limit: int) -> int:
@@ -250,3 +264,105 @@ def test_spans_and_heads_cut_into_passes_by_the_scratch_limit_answer_the_same(li
     assert passes_for(spans, 3, 64, limit) > 1
     assert torch.equal(cut, whole)
     assert torch.ops.kvserve.paged_prefill_scratch_limit(0) == before
+
+
+def decode_rows(query, k_pool, v_pool, rows, tables, lens, block, heads=None):
+    """paged_decode_rows over query [T, H, D]; heads: (first_keys, acc, max, sum) for rows resuming a head."""
+    out = torch.full_like(query, 7.0)  # 7: untouched
+    width = max(len(t) for t in tables)
+    empty = torch.empty(0)
+    first_keys, acc, run_max, run_sum = heads or (None, empty, empty, empty)
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32)
+
+    torch.ops.kvserve.paged_decode_rows(
+        query,
+        k_pool,
+        v_pool,
+        out,
+        i32(rows),
+        i32([t + [0] * (width - len(t)) for t in tables]),
+        i32(lens),
+        empty if first_keys is None else i32(first_keys),
+        acc,
+        run_max,
+        run_sum,
+        block,
+        query.shape[-1] ** -0.5,
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block"),
+    [(9, 3, 64, 16), (8, 2, 128, 4), (4, 4, 64, 1), (8, 1, 64, 16), (16, 2, 64, 32), (12, 4, 128, 16)],
+)
+def test_a_decode_row_is_bit_for_bit_the_token_of_a_prefill_chunk(heads, kv_heads, dim, block):
+    """The decode walk and the prefill kernel compute a token's attention in the same steps: equal bits for every
+    context length around the tile (16) and walk step (64) edges, any group size (1 to 8 query heads per kv head),
+    and within bf16 of float64."""
+    lengths = [1, 15, 16, 17, 63, 64, 65, 130, 700]
+    num_blocks = sum(-(-c // block) for c in lengths) + 4
+    k_pool, v_pool = pool(kv_heads, dim, block, num_blocks, seed=21)
+    tables = tables_for([(1, c) for c in lengths], block, num_blocks, seed=22)
+    query = torch.randn(1, heads, len(lengths) + 2, dim, generator=torch.Generator().manual_seed(23))
+    query = query.to(torch.bfloat16)
+    rows = list(range(1, len(lengths) + 1))  # rows 0 and the last are not decode rows: left untouched
+    got = decode_rows(query[0].transpose(0, 1), k_pool, v_pool, rows, tables, lengths, block)
+    chunks = run_kernel(query, k_pool, v_pool, [(1, c) for c in lengths], tables, block, starts=rows)
+    assert torch.equal(got[rows], chunks[rows])
+    assert (got[0] == 7).all()
+    assert (got[-1] == 7).all()
+    for row, ctx, table in zip(rows, lengths, tables, strict=True):
+        want = reference(query, k_pool, v_pool, row, 1, ctx, table, block)
+        assert (got[row : row + 1].double() - want).abs().max().item() < TOLERANCE, ctx
+
+
+@pytest.mark.parametrize(("dim", "block", "head_keys"), [(64, 16, 256), (128, 4, 64), (64, 32, 640)])
+def test_rows_resuming_a_head_equal_rows_walking_their_whole_context(dim, block, head_keys):
+    """Cascade attention in the walk: rows sharing their first head_keys keys (a multiple of 64) resume one walk
+    over them, from the state laid out or read in place, and come out bit for bit as walking everything alone."""
+    heads, kv_heads, tails = 8, 2, [1, 40, 64, 200]
+    shared = head_keys // block
+    num_blocks = shared + sum(-(-t // block) + 1 for t in tails) + 4
+    k_pool, v_pool = pool(kv_heads, dim, block, num_blocks, seed=31)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(32)).tolist()
+    head_table, used, tables, lens = order[:shared], shared, [], []
+    for tail in tails:
+        n = -(-tail // block)
+        tables.append(head_table + order[used : used + n])
+        lens.append(head_keys + tail)
+        used += n
+    query = torch.randn(len(tails), heads, dim, generator=torch.Generator().manual_seed(33)).to(torch.bfloat16)
+    rows = list(range(len(tails)))
+    alone = decode_rows(query, k_pool, v_pool, rows, tables, lens, block)
+    blocks = torch.tensor(head_table, dtype=torch.int32)
+    in_place = head_state(len(tails), heads, dim)
+    torch.ops.kvserve.paged_shared_keys(query, k_pool, v_pool, *in_place, blocks, head_keys, block, dim**-0.5)
+    laid_keys, laid_values = torch.ops.kvserve.paged_keys_layout(k_pool, v_pool, blocks, head_keys, block)
+    laid = head_state(len(tails), heads, dim)
+    torch.ops.kvserve.shared_keys_from_layout(query, laid_keys, laid_values, *laid, head_keys, dim**-0.5)
+    for state in (in_place, laid):
+        resumed = decode_rows(query, k_pool, v_pool, rows, tables, lens, block, ([head_keys] * len(tails), *state))
+        assert torch.equal(resumed, alone)
+    for row, (ctx, table) in enumerate(zip(lens, tables, strict=True)):
+        want = reference(query.transpose(0, 1)[None], k_pool, v_pool, row, 1, ctx, table, block)
+        assert (alone[row : row + 1].double() - want).abs().max().item() < TOLERANCE
+
+
+def test_decode_rows_refuse_what_they_would_read_out_of_bounds():
+    k_pool, v_pool = pool(2, 64, 4, 10, seed=1)
+    query = torch.randn(3, 4, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="not in the pool"):
+        decode_rows(query, k_pool, v_pool, [0], [[0, 10]], [8], 4)
+    with pytest.raises(RuntimeError, match="does not fit its table"):
+        decode_rows(query, k_pool, v_pool, [0], [[0, 1]], [9], 4)
+    with pytest.raises(RuntimeError, match="out of range"):
+        decode_rows(query, k_pool, v_pool, [3], [[0, 1]], [8], 4)
+    state = head_state(1, 4, 64)
+    with pytest.raises(RuntimeError, match="multiple of 64"):  # a head must end on a walk step
+        decode_rows(query, k_pool, v_pool, [0], [list(range(10))], [40], 4, ([32], *state))
+    k_pool, v_pool = pool(2, 64, 4, 40, seed=1)
+    with pytest.raises(RuntimeError, match="has a head but no state"):  # one state given: row 0's, not row 1's
+        decode_rows(query, k_pool, v_pool, [0, 1], [list(range(20))] * 2, [70, 70], 4, ([64, 64], *state))

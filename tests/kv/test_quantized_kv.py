@@ -244,8 +244,8 @@ async def test_prefill_chunks_over_a_quantized_pool_read_their_blocks_through_th
     results, seen = {}, {}
     for use_kernel in (True, False):
         engine = make_engine(wide_bf16, budget_bytes=4 << 20, block_size=4, max_batch_tokens=8, kv_dtype="int8")
-        assert engine.runner.prefill_kernel  # on a quantized pool too
-        engine.runner.prefill_kernel = use_kernel
+        assert engine.runner.backend.chunks_by_kernel  # on a quantized pool too
+        engine.runner.backend.chunks_by_kernel = use_kernel
         calls = seen.setdefault(use_kernel, [])
         prepare = engine.runner._prepare
 
