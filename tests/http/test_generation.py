@@ -247,6 +247,9 @@ def test_one_model_object_says_dtype_context_and_kv_size(client):
     assert tiny["weights_digest"] == engine.loaded.digests.weights
     assert tiny["other_replicas"] is None  # no shared store: no other replica to compare with
     assert (tiny["compiled"], tiny["compile_detail"]) == (False, "not asked (--compile false)")
+    backend = engine.runner.backend  # float64: the decode kernel's pools (SDPA where no compiler built it)
+    assert tiny["attention"] == {"backend": backend.name, "detail": backend.detail}
+    assert tiny["attention"]["backend"] in ("kernel", "sdpa")
     missing = client.get("/v1/models/no-such")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
