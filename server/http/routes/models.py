@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
+from server.engine.engine import Engine
 from server.hosting import ModelHost
 from server.http import deps
 from server.openai.errors import ApiError
@@ -43,12 +44,17 @@ def model_object(host: ModelHost, model_id: str) -> dict:
         "kv_dtype": _name(engine.runner.layout.storage_dtype) if engine else None,
         "tier_kv_dtypes": {t: _name(x.storage_dtype) for t, x in engine.offloader.layouts.items()} if engine else None,
         "deterministic": engine.runner.deterministic_detail if engine else None,
-        # how its steps attend (server/kv/backends.py): the backend chosen at load, and what it does
-        "attention": {"backend": engine.runner.backend.name, "detail": engine.runner.backend.detail} if engine else None,
+        "attention": _attention(engine) if engine else None,
         "compiled": engine.runner.compiled is not None if engine else None,  # what really runs its steps
         "compile_detail": engine.runner.compile_detail if engine else None,
         **_fingerprint(host, model_id),
     }
+
+
+def _attention(engine: Engine) -> dict:
+    """How its steps attend (server/kv/backends.py): the backend chosen at load, and what it does."""
+    backend = engine.runner.backend
+    return {"backend": backend.name, "detail": backend.detail}
 
 
 def _name(dtype: object) -> str:
