@@ -230,4 +230,3 @@ def _compiled(loaded: LoadedModel, cache_dir: str) -> tuple[CompiledModel | None
         return None, f"asked, but runs eager: compiling failed ({cause})"
     cached = f"{compiled.cache_hits} of {len(WARM_UP_TOKENS)} graphs from the cache"
     return compiled, f"compiled by torch.compile at start in {compiled.compile_s:.1f} s ({cached})"
-
