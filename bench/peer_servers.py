@@ -57,6 +57,7 @@ class Server:
     body: dict = field(default_factory=dict)  # merged into every chat request
     sessions: bool = False  # one kvserve session per conversation
     own_group: bool = True  # started in its own process group (vLLM's engine runs in a child process)
+    deterministic: str | None = None  # kvserve's deterministic mode as it reports it ("on: ...", "off", ...)
 
 
 def model_dir() -> Path:
@@ -132,7 +133,22 @@ def start_kvserve_compiled(args, log: Path, dtype: str | None) -> Server:
     return start_kvserve(args, log, dtype, {"KVSERVE_COMPILE": "true"})
 
 
+def kvserve_overrides() -> dict[str, str]:
+    """The KVSERVE_* settings a kvserve started here runs with besides the shipped defaults: this environment's,
+    and those of a .env file in the source tree, which kvserve also reads (the environment wins)."""
+    found = {}
+    dotenv = ROOT / ".env"
+    if dotenv.exists():
+        for line in dotenv.read_text().splitlines():
+            key, sep, value = line.strip().removeprefix("export ").partition("=")
+            if sep and key.strip().upper().startswith("KVSERVE_"):
+                found[key.strip()] = value.strip().strip("'\"")
+    return found | {k: v for k, v in os.environ.items() if k.startswith("KVSERVE_")}
+
+
 def start_kvserve(args, log: Path, dtype: str | None, env: dict | None = None) -> Server:
+    """kvserve on its shipped defaults: no flag but --kvserve-args, no KVSERVE_* variable but the environment's
+    (and .env's); NAME@DTYPE only points it at a copy of models.toml with that dtype."""
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
     version = commit.stdout.strip()
     env = dict(env or {})
@@ -146,11 +162,14 @@ def start_kvserve(args, log: Path, dtype: str | None, env: dict | None = None) -
         proc, base = spawn_server(shlex.split(args.kvserve_args), env=env, log=log)
     except RuntimeError as e:
         raise RuntimeError(f"kvserve: {e} ({log}):\n{log_tail(log)}") from e
-    info = httpx.get(f"{base}/models/{args.model}").json()  # its dtype is chosen at load (auto)
+    info = httpx.get(f"{base}/models/{args.model}").json()  # its dtype and deterministic mode are chosen at load
     print(f"kvserve: {info.get('dtype')}, {info.get('dtype_reason')}", flush=True)
+    print(f"kvserve: deterministic mode {info.get('deterministic')}", flush=True)
     dtype = info.get("dtype") or "unknown"
     body = {"ignore_eos": True}
-    return Server("kvserve", proc, base, args.model, version, dtype, body, sessions=True, own_group=False)
+    server = Server("kvserve", proc, base, args.model, version, dtype, body, sessions=True, own_group=False)
+    server.deterministic = info.get("deterministic") or "unknown"
+    return server
 
 
 def start_vllm(args, log: Path, dtype: str | None) -> Server:
