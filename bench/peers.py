@@ -1,18 +1,34 @@
 """Side by side: kvserve, vLLM (its CPU build) and `transformers serve --continuous-batching`, same model, same load.
 
 Each server is started alone on the default model (the safetensors directory kvserve converts under models/cache/),
-answers one short warm-up request, then runs the multi-turn harness at each concurrency level: N conversations at
-once, each `--turns` streamed chat turns on bench/multiturn.py's ~1,500-token system prompt, `--max-tokens` tokens
-per reply (greedy, EOS ignored: every reply is exactly that long); then it is stopped before the next one starts.
-kvserve continues each conversation on its own session; vLLM and transformers are sent the whole history and reuse
-what their prefix caches hold. A new nonce line opens each level's system prompt, so turn 1 finds nothing cached:
-at 1 conversation its TTFT is the cold one.
+answers one short warm-up request, then runs each workload at each concurrency level: N conversations at once, each
+`--turns` streamed chat turns on bench/multiturn.py's ~1,500-token system prompt, `--max-tokens` tokens per reply
+(greedy, EOS ignored: every reply is exactly that long); then it is stopped before the next one starts. The
+workloads (`--workloads`, both by default, in this order):
 
-Per server and level: decode tok/s per stream (median over turns), aggregate tok/s (all completion tokens / the
-level's wall time), turn-1 TTFT, median TTFT of turns 2..N, and the prompt tokens the server reports as cached;
-also the share of the CPUs other processes took meanwhile (on 2 cores, one busy core slows a server many times over).
-Writes a section of docs/benchmarks.md, docs/peers.png and bench/results/peers-<date>.json; each server's output
-goes to /tmp/peers-<server>.log. KVSERVE_* and VLLM_* variables in the environment reach the servers.
+- distinct: every conversation has its own system prompt. Its first line names the level's nonce and the
+  conversation (`Run NONCE, conversation I.`), so no two conversations share a block of K/V: what users run.
+- shared: all conversations of a level share one system prompt (`Run NONCE.` and the same field guide). A server
+  that shares prefixes computes it once (kvserve, with deterministic mode off, also reads its K/V once per step for
+  all rows: cascade heads): the best case for prefix caching, kept for comparison with earlier runs.
+
+kvserve continues each conversation on its own session; vLLM and transformers are sent the whole history and reuse
+what their prefix caches hold. Each level of each workload draws a new nonce, so turn 1 finds nothing cached: at 1
+conversation its TTFT is the cold one.
+
+kvserve runs on its shipped defaults: KVSERVE_* variables in the environment (or a .env file in the source tree,
+which kvserve reads) are the only settings it gets, and the report names them, with the dtype and the deterministic
+mode kvserve chose at load (GET /v1/models/ID). VLLM_* variables reach vLLM over bench/peer_servers.py's defaults.
+
+Per server, workload and level: decode tok/s per stream (median over turns), aggregate tok/s (all completion tokens
+/ the level's wall time), turn-1 TTFT, median TTFT of turns 2..N, and the prompt tokens the server reports as
+cached; also the share of the CPUs other processes took meanwhile (on 2 cores, one busy core slows a server many
+times over). The report has one table per workload, with ratio lines for the targets: kvserve over vLLM in bf16
+(and over vLLM in kvserve's own dtype, where that is another) in decode tok/s per stream and aggregate tok/s
+(higher is better), cold TTFT (turn 1) and median TTFT of turns 2..N (lower is better), at 1, 4 and 8 conversations.
+Writes that section of docs/benchmarks.md (between `<!-- peers:begin -->` and `<!-- peers:end -->`), docs/peers.png
+(aggregate tok/s and TTFT of turns 2..N, a row of panels per workload) and bench/results/peers-<date>.json; each
+server's output goes to /tmp/peers-<server>.log.
 
 vLLM is a dependency of this benchmark only, in its own venv (the CPU torch wheel first, or pip pulls CUDA's):
 
@@ -25,8 +41,8 @@ vLLM is a dependency of this benchmark only, in its own venv (the CPU torch whee
 `transformers serve` runs from kvserve's .venv, which has transformers and its serving extras; it answers 422 to
 `ignore_eos`, so its requests carry a generation config whose EOS id is -1 instead.
 
-    python bench/peers.py                                                  # all three, writes the docs
-    python bench/peers.py --servers vllm,hf --no-write
+    python bench/peers.py                                                  # all three, both workloads, writes docs
+    python bench/peers.py --servers kvserve,vllm@bfloat16 --workloads distinct --no-write
     python bench/peers.py --levels 1 --turns 2 --max-tokens 8 --no-write    # smoke: each one starts and answers
 """
 
@@ -49,8 +65,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, StreamTimer, machine_line, replace_section
 from multiturn import QUESTIONS, TOPICS, system_prompt
-from peer_servers import STARTERS, Server, stop
-from peers_report import NOISY, plot, render
+from peer_servers import STARTERS, Server, kvserve_overrides, stop
+from peers_report import NOISY, WORKLOADS, plot, render
 
 
 async def chat(client: httpx.AsyncClient, server: Server, messages: list[dict], max_tokens: int, headers) -> dict:
@@ -74,9 +90,16 @@ async def chat(client: httpx.AsyncClient, server: Server, messages: list[dict], 
     return row
 
 
-async def conversation(client, server: Server, nonce: str, index: int, args) -> list[dict]:
-    """One conversation: its own topic order, the level's system prompt, each reply appended as the server sent it."""
-    messages = [{"role": "system", "content": f"Run {nonce}.\n{system_prompt()}"}]
+def opening(workload: str, nonce: str, index: int) -> str:
+    """The system prompt's first line: the level's nonce, and in the distinct workload the conversation too, at the
+    very start, so that conversations share no block of K/V (the shared workload's share the whole prompt)."""
+    return f"Run {nonce}, conversation {index + 1}." if workload == "distinct" else f"Run {nonce}."
+
+
+async def conversation(client, server: Server, workload: str, nonce: str, index: int, args) -> list[dict]:
+    """One conversation: its own topic order, its workload's system prompt, each reply appended as the server sent
+    it."""
+    messages = [{"role": "system", "content": f"{opening(workload, nonce, index)}\n{system_prompt()}"}]
     headers = {"X-Session-ID": f"peers-{nonce}-{index}"} if server.sessions else {}
     rows = []
     for turn in range(args.turns):
@@ -89,13 +112,13 @@ async def conversation(client, server: Server, nonce: str, index: int, args) -> 
     return rows
 
 
-async def run_level(server: Server, num: int, args) -> dict:
-    nonce = uuid.uuid4().hex[:12]
+async def run_level(server: Server, workload: str, num: int, args) -> dict:
+    nonce = uuid.uuid4().hex[:12]  # new for each level of each workload: nothing of another one is cached
     groups = {os.getpgrp(), os.getpgid(server.proc.pid)}
     busy, ours = cpu_ticks(groups)
     async with httpx.AsyncClient(base_url=server.base, timeout=600) as client:
         start = time.perf_counter()
-        convs = await asyncio.gather(*(conversation(client, server, nonce, i, args) for i in range(num)))
+        convs = await asyncio.gather(*(conversation(client, server, workload, nonce, i, args) for i in range(num)))
         wall = time.perf_counter() - start
     busy_after, ours_after = cpu_ticks(groups)
     others_s = (busy_after - busy - (ours_after - ours)) / os.sysconf("SC_CLK_TCK")
@@ -142,7 +165,8 @@ async def warm_up(server: Server) -> None:
         await chat(client, server, [{"role": "user", "content": "Say hello."}], 4, {})
 
 
-def bench_server(entry: str, levels: list[int], args) -> dict:
+def bench_server(entry: str, workloads: list[str], levels: list[int], args) -> dict:
+    """Start one server, run every workload's levels on it, stop it."""
     name, _, dtype = entry.partition("@")
     log = Path(f"/tmp/peers-{entry}.log")
     print(f"{entry}: starting (output in {log})", flush=True)
@@ -153,13 +177,22 @@ def bench_server(entry: str, levels: list[int], args) -> dict:
         asyncio.run(warm_up(server))
         start_s = time.perf_counter() - start
         print(f"{name}: ready in {ready_s:.1f} s, first answer at {start_s:.1f} s", flush=True)
-        results = []
-        for num in levels:
-            results.append(asyncio.run(run_level(server, num, args)))
-            print(f"{name}: {progress_line(results[-1], args.max_tokens)}", flush=True)
+        results: dict[str, list[dict]] = {}
+        for workload in workloads:
+            results[workload] = []
+            for num in levels:
+                results[workload].append(asyncio.run(run_level(server, workload, num, args)))
+                print(f"{name}, {workload}: {progress_line(results[workload][-1], args.max_tokens)}", flush=True)
     finally:
         stop(server)
-    return {"version": server.version, "dtype": server.dtype, "ready_s": ready_s, "start_s": start_s, "levels": results}
+    return {
+        "version": server.version,
+        "dtype": server.dtype,
+        "deterministic": server.deterministic,
+        "ready_s": ready_s,
+        "start_s": start_s,
+        "workloads": results,
+    }
 
 
 def progress_line(level: dict, max_tokens: int) -> str:
@@ -180,6 +213,12 @@ def main() -> int:
         default="kvserve,kvserve@float32,vllm,vllm@bfloat16,hf",
         help="any of kvserve, kvserve-compiled (--compile true), vllm, hf, comma-separated; NAME@DTYPE computes in "
         "that dtype (kvserve: instead of auto)",
+    )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="distinct (each conversation its own system prompt), shared (one for all a level's conversations), "
+        "comma-separated; each server runs them all, in this order",
     )
     parser.add_argument("--levels", default="1,4,8", help="concurrent conversations, comma-separated")
     parser.add_argument("--turns", type=int, default=8)
@@ -207,12 +246,16 @@ def main() -> int:
     names = args.servers.split(",")
     if unknown := {n.partition("@")[0] for n in names} - set(STARTERS):
         parser.error(f"unknown servers: {', '.join(sorted(unknown))}")
+    workloads = args.workloads.split(",")
+    if unknown := set(workloads) - set(WORKLOADS):
+        parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     levels = [int(n) for n in args.levels.split(",")]
     results: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": machine_line(),
         "args": vars(args),
-        "kvserve_env": {k: v for k, v in os.environ.items() if k.startswith("KVSERVE_")},
+        "workloads": workloads,
+        "kvserve_env": kvserve_overrides(),
         "servers": {},
         "load_before": os.getloadavg()[0],
     }
@@ -221,7 +264,7 @@ def main() -> int:
     start = time.perf_counter()
     for name in names:
         try:
-            results["servers"][name] = bench_server(name, levels, args)
+            results["servers"][name] = bench_server(name, workloads, levels, args)
         except (RuntimeError, httpx.HTTPError) as e:
             print(f"{name} failed: {e}", file=sys.stderr, flush=True)
             results["servers"][name] = {"error": str(e)}
@@ -237,7 +280,7 @@ def main() -> int:
     elif not args.no_write:
         out = Path(args.out)
         if plot(out / "peers.png", results):
-            section += "\n\n![aggregate tok/s and TTFT of turns 2..N by concurrency](peers.png)"
+            section += "\n\n![aggregate tok/s and TTFT of turns 2..N by concurrency, per workload](peers.png)"
         replace_section(out / "benchmarks.md", "peers", section)
     return 1 if failed else 0
 
