@@ -36,18 +36,16 @@ def render(results: dict, args) -> str:
     workloads = results["workloads"]
     versions = ", ".join(f"{label(n)} {r['version']}" for n, r in done.items() if r["version"]) or "no versions"
     dtypes = ", ".join(f"{label(n)} {r['dtype']}" for n, r in done.items())
-    deterministic = "; ".join(f"{label(n)}: {r['deterministic']}" for n, r in done.items() if r["deterministic"])
     starts = ", ".join(f"{label(n)} {r['start_s']:.0f} s" for n, r in done.items())
-    env = ", ".join(f"`{k}={v}`" for k, v in results["kvserve_env"].items()) or "none (the shipped defaults)"
     lines = [
         "## Side by side: kvserve, vLLM and transformers serve",
         "",
         f"`python bench/peers.py` on {results['machine']}, {results['date']}; {versions}. Each server alone on the "
-        f"machine, on the same SmolLM2-135M-Instruct safetensors directory, computing in: {dtypes}. Deterministic "
-        f"mode as kvserve reported it at load: {deterministic or 'not reported'}. KVSERVE_* settings: {env}. Each "
-        f"conversation: {args.turns} streamed chat turns on bench/multiturn.py's field guide as system prompt (turn "
-        f"1's prompt: {prompt_tokens(done, workloads)} tokens), {args.max_tokens} tokens per reply (greedy, EOS "
-        "ignored); all conversations of a level run at once. kvserve "
+        f"machine, on the same SmolLM2-135M-Instruct safetensors directory, computing in: {dtypes}. "
+        f"{kvserve_settings(done, results['kvserve_env'])}Each conversation: {args.turns} streamed chat turns on "
+        f"bench/multiturn.py's field guide as system prompt (turn 1's prompt: {prompt_tokens(done, workloads)} "
+        f"tokens), {args.max_tokens} tokens per reply (greedy, EOS ignored); all conversations of a level run at "
+        "once. kvserve "
         "continues each conversation on its session; vLLM (`--enable-prefix-caching`) and transformers "
         f"(`--continuous-batching --cb-num-blocks {args.hf_blocks}`: its paged cache keeps full blocks for reuse by "
         "prefix) are sent the whole history. Each server ran every workload in one start; a new nonce opens each "
@@ -62,6 +60,16 @@ def render(results: dict, args) -> str:
     if failed:
         lines += ["", *failed]
     return "\n".join(lines).rstrip()
+
+
+def kvserve_settings(done: dict, overrides: dict[str, str]) -> str:
+    """The sentences naming the deterministic mode each kvserve run reported at load, and the KVSERVE_* settings
+    it ran with ("" when no kvserve ran)."""
+    modes = "; ".join(f"{label(n)}: {r['deterministic']}" for n, r in done.items() if r.get("deterministic"))
+    if not modes:
+        return ""
+    env = ", ".join(f"`{k}={v}`" for k, v in overrides.items()) or "none (the shipped defaults)"
+    return f"Deterministic mode as kvserve reported it at load: {modes}. KVSERVE_* settings: {env}. "
 
 
 def prompt_tokens(done: dict, workloads: list[str]) -> str:
