@@ -28,7 +28,7 @@ def label(entry: str) -> str:
 
 VLLM_ENV = {  # the environment's own VLLM_* values win
     "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+    "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_CPU_KVCACHE_SPACE": "4",
     "VLLM_NO_USAGE_STATS": "1",

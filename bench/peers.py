@@ -126,7 +126,7 @@ async def run_level(server: Server, workload: str, num: int, args) -> dict:
     return {
         "conversations": num,
         "wall_s": wall,
-        "others_cpu_share": max(0.0, others_s / (wall * os.cpu_count())),
+        "others_cpu_share": max(0.0, others_s / (wall * (os.cpu_count() or 1))),
         **summarise(rows, wall, args.max_tokens),
         "rows": rows,
     }
