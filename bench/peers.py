@@ -6,8 +6,8 @@ answers one short warm-up request, then runs each workload at each concurrency l
 (greedy, EOS ignored: every reply is exactly that long); then it is stopped before the next one starts. The
 workloads (`--workloads`, both by default, in this order):
 
-- distinct: every conversation has its own system prompt. Its first line names the level's nonce and the
-  conversation (`Run NONCE, conversation I.`), so no two conversations share a block of K/V: what users run.
+- distinct: every conversation has its own system prompt. Its first line names the conversation and the level's
+  nonce (`Conversation I of run NONCE.`), so no two conversations share a block of K/V: what users run.
 - shared: all conversations of a level share one system prompt (`Run NONCE.` and the same field guide). A server
   that shares prefixes computes it once (kvserve, with deterministic mode off, also reads its K/V once per step for
   all rows: cascade heads): the best case for prefix caching, kept for comparison with earlier runs.
@@ -91,9 +91,10 @@ async def chat(client: httpx.AsyncClient, server: Server, messages: list[dict], 
 
 
 def opening(workload: str, nonce: str, index: int) -> str:
-    """The system prompt's first line: the level's nonce, and in the distinct workload the conversation too, at the
-    very start, so that conversations share no block of K/V (the shared workload's share the whole prompt)."""
-    return f"Run {nonce}, conversation {index + 1}." if workload == "distinct" else f"Run {nonce}."
+    """The system prompt's first line: the level's nonce, and in the distinct workload the conversation first, so
+    that conversations share no block of K/V (the shared workload's share the whole prompt). After the chat
+    template's 3 tokens, "Run NONCE, conversation" alone fills a 16-token block (kvserve's and vLLM's size)."""
+    return f"Conversation {index + 1} of run {nonce}." if workload == "distinct" else f"Run {nonce}."
 
 
 async def conversation(client, server: Server, workload: str, nonce: str, index: int, args) -> list[dict]:

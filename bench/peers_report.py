@@ -11,7 +11,7 @@ NOISY = 0.05  # a level during which other processes took more of the CPUs than 
 WORKLOADS = {  # name: (title, what its conversations' system prompts are)
     "distinct": (
         "Distinct conversations (each its own system prompt)",
-        "every conversation has its own system prompt: a first line naming the level's nonce and the conversation, "
+        "every conversation has its own system prompt: a first line naming the conversation and the level's nonce, "
         "then the field guide, so no two conversations share a block of K/V (what users' conversations look like)",
     ),
     "shared": (
