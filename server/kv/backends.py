@@ -8,10 +8,11 @@ kernels) is one more class and one more line in `choose_backend`.
 
 - `TiledBackend`: a bf16 pool on a CPU with AVX512-BF16, head size 64 or 128, layers without window or
   softcap, K/V not quantized. Every row walks its keys through one arithmetic (server/kv/csrc/
-  paged_prefill.cpp: 16-key tiles, a softmax step every 64 keys, from key 0): prefill chunks in one call
-  of `paged_prefill`, decode rows in one call of `paged_decode_rows`, and decode rows sharing a long
-  prefix (a cached system prompt) resume from one walk over that prefix for all of them (a cascade head,
-  kept laid out across steps) at a 64-key step. So a token's attention is bit for bit the same whichever
+  paged_prefill.cpp: 16-key tiles, a softmax step every 64 keys, partitions of 256 keys merged in order,
+  from key 0): prefill chunks in one call of `paged_prefill`, decode rows in one call of
+  `paged_decode_rows` (a long row's partitions on several threads), and decode rows sharing a long prefix
+  (a cached system prompt) resume from one walk over that prefix for all of them (a cascade head, kept
+  laid out across steps) at a partition's edge. So a token's attention is bit for bit the same whichever
   way it was computed, and deterministic mode costs this backend nothing. Prefill chunks may go to SDPA
   instead where it was timed faster at start (not in deterministic mode).
 - `KernelBackend`: the C++ decode kernel on any CPU pool it serves (fp32, fp16, bf16 without the tiled
@@ -43,9 +44,10 @@ SDPA_BACKEND, KERNEL_BACKEND, TILED_BACKEND = "sdpa", "kernel", "tiled"
 # blocks start alike (cascade attention); a lone one goes the way timed fastest on this machine at start
 # (server/kv/routing.py). SDPA never reads gathered slots for a decode row (the kernel is cheaper).
 KERNEL_MAX_CONTEXT = 256
-# The tiled walk's softmax step: a cascade head ends on one, so the rows' tails resume exactly where a walk over
-# the whole context would be (paged_prefill.cpp: kTiles * kTile).
-WALK_STEP = 64
+# The tiled walk's partition: a row's keys are walked a partition at a time and the partitions merged in order
+# (paged_prefill.cpp: kPart). A cascade head ends on one, so the rows' tails resume exactly where a walk over the
+# whole context would be.
+WALK_PARTITION = 256
 # Rows share a head in the tiled backend when their common prefix holds at least this many keys: below it one
 # walk per row over a short prefix costs about what the head's separate call saves.
 TILED_HEAD_MIN_KEYS = 256
@@ -264,7 +266,7 @@ class TiledBackend(AttentionBackend):
 
     def _heads(self, rows: list[DecodeRow]) -> tuple[list[SharedHead], list[DecodeRow]]:
         """Rows whose tables start with the same full blocks share them as a head: one walk over its keys (whole
-        walk steps, at least TILED_HEAD_MIN_KEYS) for all of them, resumed by each row's own walk."""
+        partitions, at least TILED_HEAD_MIN_KEYS) for all of them, resumed by each row's own walk."""
         bs = self.pool.block_size
         lead = -(-TILED_HEAD_MIN_KEYS // bs)  # blocks a head holds at least: rows are grouped by these
         groups: dict[tuple[int, ...], list[DecodeRow]] = {}
@@ -277,7 +279,7 @@ class TiledBackend(AttentionBackend):
                 continue
             limit = min((r.ctx_len - 1) // bs for r in group)  # whole blocks before every row's own token
             common = _common_prefix([r.table[:limit] for r in group])
-            keys = min(common * bs, min(r.ctx_len - 1 for r in group)) // WALK_STEP * WALK_STEP
+            keys = min(common * bs, min(r.ctx_len - 1 for r in group)) // WALK_PARTITION * WALK_PARTITION
             if keys >= TILED_HEAD_MIN_KEYS:
                 found.append((group, keys, -(-keys // bs)))
         stamps = [tuple(b.stamp for b in group[0].blocks[:n]) for group, _, n in found]

@@ -408,9 +408,9 @@ def same_answers(a, b) -> bool:
 
 @needs_tiled
 async def test_rows_behind_a_cached_prefix_share_a_head_and_answer_bit_for_bit_as_without(wide_heads_bf16, monkeypatch):
-    """Cascade heads in the walk: the rows' shared prefix is walked once for all of them, to a walk step (64 keys),
-    and each row resumes from there; every token and log-probability is exactly the one walking alone gives, kept
-    laid out across steps (one layout per layer) or laid out on each call."""
+    """Cascade heads in the walk: the rows' shared prefix is walked once for all of them, to a partition edge (256
+    keys), and each row resumes from there; every token and log-probability is exactly the one walking alone gives,
+    kept laid out across steps (one layout per layer) or laid out on each call."""
     loaded, directory = wide_heads_bf16
     prompts, kept, heads, made = await tiled_rows_behind_a_prefix(loaded, monkeypatch, head_min_keys=256)
     _, per_call, heads_per_call, made_per_call = await tiled_rows_behind_a_prefix(
@@ -420,7 +420,7 @@ async def test_rows_behind_a_cached_prefix_share_a_head_and_answer_bit_for_bit_a
     shared_heads = [h for h in heads if h[0] > 1]
     assert len(shared_heads) >= 3, heads  # the head served several steps ...
     assert {rows for rows, _, _ in shared_heads} == {3}  # ... of the three rows
-    assert all(keys % 64 == 0 and keys >= 256 for _, keys, _ in heads)
+    assert all(keys % 256 == 0 and keys >= 256 for _, keys, _ in heads)
     assert all(laid_out for _, _, laid_out in heads)
     assert made == loaded.model.config.num_hidden_layers  # laid out once per layer, then kept
     assert made_per_call == 0
@@ -443,7 +443,7 @@ async def test_rows_behind_a_cached_prefix_share_a_head_and_answer_bit_for_bit_a
 
 
 def test_tiled_heads_take_rows_sharing_enough_whole_walk_steps(wide_heads_bf16):
-    """Routing: rows sharing blocks make a head of their common keys cut to a walk step (and never their own
+    """Routing: rows sharing blocks make a head of their common keys cut to a partition edge (and never their own
     token's), when that is at least TILED_HEAD_MIN_KEYS; a lone row walks alone; layouts are keyed by stamps."""
     if not TILED:
         pytest.skip("no AVX512-BF16 build")

@@ -300,9 +300,9 @@ def decode_rows(query, k_pool, v_pool, rows, tables, lens, block, heads=None):
 )
 def test_a_decode_row_is_bit_for_bit_the_token_of_a_prefill_chunk(heads, kv_heads, dim, block):
     """The decode walk and the prefill kernel compute a token's attention in the same steps: equal bits for every
-    context length around the tile (16) and walk step (64) edges, any group size (1 to 8 query heads per kv head),
-    and within bf16 of float64."""
-    lengths = [1, 15, 16, 17, 63, 64, 65, 130, 700]
+    context length around the tile (16), step (64) and partition (256) edges, any group size (1 to 8 query heads
+    per kv head), and within bf16 of float64."""
+    lengths = [1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 700, 1100]
     num_blocks = sum(-(-c // block) for c in lengths) + 4
     k_pool, v_pool = pool(kv_heads, dim, block, num_blocks, seed=21)
     tables = tables_for([(1, c) for c in lengths], block, num_blocks, seed=22)
@@ -319,11 +319,11 @@ def test_a_decode_row_is_bit_for_bit_the_token_of_a_prefill_chunk(heads, kv_head
         assert (got[row : row + 1].double() - want).abs().max().item() < TOLERANCE, ctx
 
 
-@pytest.mark.parametrize(("dim", "block", "head_keys"), [(64, 16, 256), (128, 4, 64), (64, 32, 640)])
+@pytest.mark.parametrize(("dim", "block", "head_keys"), [(64, 16, 256), (128, 4, 512), (64, 32, 768)])
 def test_rows_resuming_a_head_equal_rows_walking_their_whole_context(dim, block, head_keys):
-    """Cascade attention in the walk: rows sharing their first head_keys keys (a multiple of 64) resume one walk
+    """Cascade attention in the walk: rows sharing their first head_keys keys (a multiple of 256) resume one walk
     over them, from the state laid out or read in place, and come out bit for bit as walking everything alone."""
-    heads, kv_heads, tails = 8, 2, [1, 40, 64, 200]
+    heads, kv_heads, tails = 8, 2, [1, 40, 256, 700]  # tails within one partition, filling one, and several
     shared = head_keys // block
     num_blocks = shared + sum(-(-t // block) + 1 for t in tails) + 4
     k_pool, v_pool = pool(kv_heads, dim, block, num_blocks, seed=31)
@@ -361,8 +361,8 @@ def test_decode_rows_refuse_what_they_would_read_out_of_bounds():
     with pytest.raises(RuntimeError, match="out of range"):
         decode_rows(query, k_pool, v_pool, [3], [[0, 1]], [8], 4)
     state = head_state(1, 4, 64)
-    with pytest.raises(RuntimeError, match="multiple of 64"):  # a head must end on a walk step
-        decode_rows(query, k_pool, v_pool, [0], [list(range(10))], [40], 4, ([32], *state))
-    k_pool, v_pool = pool(2, 64, 4, 40, seed=1)
+    k_pool, v_pool = pool(2, 64, 4, 100, seed=1)
+    with pytest.raises(RuntimeError, match="multiple of 256"):  # a head must end on a partition's edge
+        decode_rows(query, k_pool, v_pool, [0], [list(range(100))], [300], 4, ([64], *state))
     with pytest.raises(RuntimeError, match="has a head but no state"):  # one state given: row 0's, not row 1's
-        decode_rows(query, k_pool, v_pool, [0, 1], [list(range(20))] * 2, [70, 70], 4, ([64, 64], *state))
+        decode_rows(query, k_pool, v_pool, [0, 1], [list(range(100))] * 2, [300, 300], 4, ([256, 256], *state))

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -40,6 +41,10 @@ namespace {
 
 constexpr int64_t kTile = 16;  // keys per tile: one zmm of fp32 scores
 constexpr int kTiles = 4;      // tiles per softmax update: its max, rescale and sums are paid once per 64 keys
+// Keys per partition: a row's keys are walked a partition at a time, each from a fresh state, and the partitions'
+// states merged in order. Cut by key position, so the same for every path; it lets a long decode row's
+// partitions run on several threads at once (a batch of one row has as few items as kv heads otherwise).
+constexpr int64_t kPart = 256;
 std::atomic<int64_t> scratch_limit{int64_t{64} << 20};  // bytes of key/value layout one pass may hold
 std::atomic<int64_t> passes_run{0};                      // passes since load (tests count them)
 
@@ -206,6 +211,46 @@ __attribute__((noinline)) void walk_step(Walk<D, R>& w, const uint32_t* kt, cons
   accumulate_values<D, R>(w.acc, vt, pairs, tiles * kTile / 2);
 }
 
+// Folds one partition's walk into the merged walk of the partitions before it, for the rows that saw a key of it
+// (seen[r]; a partition wholly past a row's position leaves the row as it was). The first fold of an empty total
+// gives the partition's own state exactly (its old sum and accumulator are zeros times a factor near 2^-127). Not
+// inlined, for the same reason as walk_step.
+template <int D, int R>
+__attribute__((noinline)) void merge_part(Walk<D, R>& total, const Walk<D, R>& part, const bool* seen) {
+  for (int r = 0; r < R; ++r) {
+    if (!seen[r]) continue;
+    const float m = std::max(total.run_max[r], part.run_max[r]);
+    const float ct = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(total.run_max[r] - m)));
+    const float cp = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(part.run_max[r] - m)));
+    total.run_sum[r] = total.run_sum[r] * ct + part.run_sum[r] * cp;
+    const __m512 vt = _mm512_set1_ps(ct), vp = _mm512_set1_ps(cp);
+    for (int v = 0; v < D / 16; ++v) {
+      total.acc[r][v] = _mm512_fmadd_ps(part.acc[r][v], vp, _mm512_mul_ps(total.acc[r][v], vt));
+    }
+    total.run_max[r] = m;
+  }
+}
+
+// A walk's rows as 32-bit words, to keep in memory between the threads that walk a row's partitions and the one that
+// merges them: per row its D accumulators, then its max and sum.
+template <int D, int R>
+inline void store_walk(const Walk<D, R>& w, float* dst) {
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < D / 16; ++v) _mm512_storeu_ps(dst + r * (D + 2) + v * 16, w.acc[r][v]);
+    dst[r * (D + 2) + D] = w.run_max[r];
+    dst[r * (D + 2) + D + 1] = w.run_sum[r];
+  }
+}
+
+template <int D, int R>
+inline void load_walk(Walk<D, R>& w, const float* src) {
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < D / 16; ++v) w.acc[r][v] = _mm512_loadu_ps(src + r * (D + 2) + v * 16);
+    w.run_max[r] = src[r * (D + 2) + D];
+    w.run_sum[r] = src[r * (D + 2) + D + 1];
+  }
+}
+
 // Where a walk's rows go when it ends: their attention (bf16), or the walk's state itself (fp32 acc, max and sum per row: a head that a tail walk resumes exactly).
 struct RowsOut {
   uint16_t* dst[4] = {};  // [D] bf16 per row, or null
@@ -233,13 +278,14 @@ void walk_finish(const Walk<D, R>& w, int rows, const RowsOut& out) {
   }
 }
 
-// R rows (R consecutive tokens of one query head) over a laid-out context, from key 0 to the last row's position.
+// R rows (R consecutive tokens of one query head) over a laid-out context, from key 0 to the last row's position: a
+// partition at a time, each merged into the total of those before it.
 template <int D, int R>
 void rows_of_group(const uint32_t* kt, const uint32_t* vt, const uint16_t* const* q, const int64_t* pos, int rows,
                    float scale, const RowsOut& out) {
   constexpr int DP = D / 2;
-  Walk<D, R> w;
-  walk_start(w);
+  Walk<D, R> total, part;
+  walk_start(total);
   const uint32_t* q32[R];
   int64_t row_pos[R];
   for (int r = 0; r < R; ++r) {
@@ -247,11 +293,18 @@ void rows_of_group(const uint32_t* kt, const uint32_t* vt, const uint16_t* const
     row_pos[r] = pos[r < rows ? r : rows - 1];
   }
   const int64_t num_tiles = pos[rows - 1] / kTile + 1;  // tiles holding a key some row sees
-  for (int64_t t0 = 0; t0 < num_tiles; t0 += kTiles) {
-    const int tiles = static_cast<int>(std::min<int64_t>(kTiles, num_tiles - t0));
-    walk_step<D, R>(w, kt + t0 * DP * kTile, vt + t0 * (kTile / 2) * D, tiles, t0 * kTile, q32, row_pos, scale);
+  for (int64_t first = 0; first < num_tiles * kTile; first += kPart) {
+    walk_start(part);
+    const int64_t end = std::min(num_tiles, (first + kPart) / kTile);
+    for (int64_t t0 = first / kTile; t0 < end; t0 += kTiles) {
+      const int tiles = static_cast<int>(std::min<int64_t>(kTiles, end - t0));
+      walk_step<D, R>(part, kt + t0 * DP * kTile, vt + t0 * (kTile / 2) * D, tiles, t0 * kTile, q32, row_pos, scale);
+    }
+    bool seen[R];
+    for (int r = 0; r < R; ++r) seen[r] = first <= row_pos[r];
+    merge_part(total, part, seen);
   }
-  walk_finish(w, rows, out);
+  walk_finish(total, rows, out);
 }
 
 // 16 vectors of 16 32-bit words transposed in place: word c of vector l becomes word l of vector c. Unpacks of
@@ -429,16 +482,16 @@ void prefill(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor
   attend_laid_out<D>(query, sink, spans, kt, vf, groups, scale, causal);
 }
 
-// Decode rows (one query token each) walked in the same steps as every other path, their keys laid out a step's
-// tiles at a time in a buffer of the thread's own (no scratch pass over the whole context, nothing kept): items
-// are (row, kv head, group of R query heads), so the G query heads sharing a kv head read each tile once.
-// A row with a head (first_keys[b] > 0, a multiple of kTiles * kTile) starts from the head walk's state.
+// Decode rows (one query token each) walked as every other path walks them, their keys laid out a step's tiles at a
+// time in a buffer of the thread's own (no scratch pass over the whole context, nothing kept). Two phases:
+//   1. items (row, kv head, group of R query heads, partition): the group's heads walk the partition's keys, so each
+//      tile is laid out once for the G query heads sharing its kv head; the partition's state goes to `parts`;
+//   2. items (row, kv head, group): the partitions' states merged in order, from the row's head state where it has
+//      one (first_keys[b] > 0, a multiple of kPart: the head's partitions merged already), then written out.
 template <int D, int R>
-void decode_item(const uint16_t* q_base, int64_t q_head, int heads, const uint32_t* k_head, const uint16_t* v_head,
-                 const int32_t* table, int64_t block_size, int64_t ctx, int64_t first_key, const float* acc_in,
-                 const float* max_in, const float* sum_in, int64_t acc_head, int64_t st_head, uint16_t* o_base,
-                 int64_t o_head, float scale) {
-  constexpr int DP = D / 2, DV = D / 16;
+void walk_partition(const uint16_t* q_base, int64_t q_head, int heads, const uint32_t* k_head, const uint16_t* v_head,
+                    const int32_t* table, int64_t block_size, int64_t ctx, int64_t first, float scale, float* part_out) {
+  constexpr int DP = D / 2;
   alignas(64) uint32_t kbuf[kTiles * kTile * DP];
   alignas(64) uint32_t vbuf[kTiles * (kTile / 2) * D];
   Walk<D, R> w;
@@ -446,24 +499,58 @@ void decode_item(const uint16_t* q_base, int64_t q_head, int heads, const uint32
   const uint32_t* q32[R];
   int64_t row_pos[R];
   for (int r = 0; r < R; ++r) {
-    const int g = r < heads ? r : heads - 1;
-    q32[r] = reinterpret_cast<const uint32_t*>(q_base + g * q_head);
+    q32[r] = reinterpret_cast<const uint32_t*>(q_base + (r < heads ? r : heads - 1) * q_head);
     row_pos[r] = ctx - 1;
-    if (acc_in != nullptr) {
-      for (int v = 0; v < DV; ++v) w.acc[r][v] = _mm512_loadu_ps(acc_in + g * acc_head + v * 16);
-      w.run_max[r] = max_in[g * st_head];
-      w.run_sum[r] = sum_in[g * st_head];
-    }
   }
-  const int64_t num_tiles = (ctx - 1) / kTile + 1;
-  for (int64_t t0 = first_key / kTile; t0 < num_tiles; t0 += kTiles) {
-    const int64_t t1 = std::min<int64_t>(t0 + kTiles, num_tiles);
+  const int64_t end = std::min((ctx - 1) / kTile + 1, (first + kPart) / kTile);
+  for (int64_t t0 = first / kTile; t0 < end; t0 += kTiles) {
+    const int64_t t1 = std::min<int64_t>(t0 + kTiles, end);
     lay_out_tiles<D>(kbuf, vbuf, k_head, v_head, table, block_size, ctx, t0, t1);
     walk_step<D, R>(w, kbuf, vbuf, static_cast<int>(t1 - t0), t0 * kTile, q32, row_pos, scale);
   }
+  store_walk(w, part_out);
+}
+
+template <int D, int R>
+void merge_partitions(int heads, const float* parts, int64_t part_stride, int64_t num_parts, const float* acc_in,
+                      const float* max_in, const float* sum_in, int64_t acc_head, int64_t st_head, uint16_t* o_base,
+                      int64_t o_head) {
+  constexpr int DV = D / 16;
+  Walk<D, R> total, part;
+  walk_start(total);
+  if (acc_in != nullptr) {  // the head's partitions, merged by the head's walk
+    for (int r = 0; r < heads; ++r) {
+      for (int v = 0; v < DV; ++v) total.acc[r][v] = _mm512_loadu_ps(acc_in + r * acc_head + v * 16);
+      total.run_max[r] = max_in[r * st_head];
+      total.run_sum[r] = sum_in[r * st_head];
+    }
+  }
+  bool seen[R];
+  for (int r = 0; r < R; ++r) seen[r] = true;  // a decode row sees every key of each of its partitions
+  for (int64_t j = 0; j < num_parts; ++j) {
+    load_walk(part, parts + j * part_stride);
+    merge_part(total, part, seen);
+  }
   RowsOut out;
   for (int r = 0; r < heads; ++r) out.dst[r] = o_base + r * o_head;
-  walk_finish(w, heads, out);
+  walk_finish(total, heads, out);
+}
+
+// R as small as the group: a row's numbers do not depend on R, its cost does.
+template <int D, typename F>
+void with_rows(int heads, F&& run) {
+  constexpr int RMAX = D == 64 ? 4 : 2;
+  if (heads == 1) {
+    run(std::integral_constant<int, 1>{});
+  } else if (heads == 2) {
+    run(std::integral_constant<int, 2>{});
+  } else if constexpr (RMAX == 4) {
+    if (heads == 3) {
+      run(std::integral_constant<int, 3>{});
+    } else {
+      run(std::integral_constant<int, 4>{});
+    }
+  }
 }
 
 template <int D>
@@ -474,51 +561,54 @@ void decode_rows_tiled(const at::Tensor& query, const at::Tensor& k_pool, const 
                        double scale) {
   constexpr int DP = D / 2;
   constexpr int RMAX = D == 64 ? 4 : 2;
+  constexpr int64_t kSlot = RMAX * (D + 2);  // floats of one partition's state
   const int64_t num_heads = query.size(1), kv_heads = k_pool.size(0), pool_slots = k_pool.size(1);
   const int64_t groups = num_heads / kv_heads, head_groups = (groups + RMAX - 1) / RMAX;
+  const int64_t lanes = kv_heads * head_groups;  // (kv head, group) pairs of a row
+  std::vector<int64_t> first_part(num_rows), num_parts(num_rows), first_item(num_rows + 1, 0);
+  for (int64_t b = 0; b < num_rows; ++b) {
+    first_part[b] = (starts != nullptr ? starts[b] : 0) / kPart;
+    num_parts[b] = (lens[b] + kPart - 1) / kPart - first_part[b];
+    first_item[b + 1] = first_item[b] + lanes * num_parts[b];
+  }
+  std::vector<float> parts(first_item[num_rows] * kSlot);
   const uint16_t* q_ptr = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
   uint16_t* o_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k_pool.data_ptr<at::BFloat16>());
   const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
   const int64_t q_row = query.stride(0), q_head = query.stride(1), o_row = out.stride(0), o_head = out.stride(1);
-  at::parallel_for(0, num_rows * kv_heads * head_groups, 1, [&](int64_t begin, int64_t end) {
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, first_item[num_rows], 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (kv_heads * head_groups), h = item / head_groups % kv_heads;
-      const int64_t g0 = item % head_groups * RMAX, first_head = h * groups + g0;
+      const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t local = item - first_item[b];
+      const int64_t lane = local / num_parts[b], j = first_part[b] + local % num_parts[b];
+      const int64_t h = lane / head_groups, g0 = lane % head_groups * RMAX;
       const int heads = static_cast<int>(std::min<int64_t>(RMAX, groups - g0));
-      const int64_t row = row_ids[b], ctx = lens[b];
-      const int64_t first_key = starts != nullptr ? starts[b] : 0;
-      const bool resumes = first_key > 0;
+      const uint16_t* qb = q_ptr + row_ids[b] * q_row + (h * groups + g0) * q_head;
+      const int32_t* table = tables + b * max_blocks;
+      float* slot = parts.data() + item * kSlot;
+      with_rows<D>(heads, [&](auto r) {
+        walk_partition<D, decltype(r)::value>(qb, q_head, heads, k32 + h * pool_slots * DP, v16 + h * pool_slots * D,
+                                              table, block_size, lens[b], j * kPart, sc, slot);
+      });
+    }
+  });
+  at::parallel_for(0, num_rows * lanes, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / lanes, lane = item % lanes;
+      const int64_t h = lane / head_groups, g0 = lane % head_groups * RMAX, first_head = h * groups + g0;
+      const int heads = static_cast<int>(std::min<int64_t>(RMAX, groups - g0));
+      const bool resumes = starts != nullptr && starts[b] > 0;
       const float* a_in = resumes ? acc + b * acc_row + first_head * acc_head : nullptr;
       const float* m_in = resumes ? max + b * st_row + first_head * st_head : nullptr;
       const float* s_in = resumes ? sum + b * st_row + first_head * st_head : nullptr;
-      const uint16_t* qb = q_ptr + row * q_row + first_head * q_head;
-      uint16_t* ob = o_ptr + row * o_row + first_head * o_head;
-      const uint32_t* kh = k32 + h * pool_slots * DP;
-      const uint16_t* vh = v16 + h * pool_slots * D;
-      const int32_t* table = tables + b * max_blocks;
-      const float sc = static_cast<float>(scale);
-      // R as small as the group: a row's numbers do not depend on R, its cost does
-      switch (heads) {
-        case 1:
-          decode_item<D, 1>(qb, q_head, heads, kh, vh, table, block_size, ctx, first_key, a_in, m_in, s_in, acc_head,
-                            st_head, ob, o_head, sc);
-          break;
-        case 2:
-          decode_item<D, 2>(qb, q_head, heads, kh, vh, table, block_size, ctx, first_key, a_in, m_in, s_in, acc_head,
-                            st_head, ob, o_head, sc);
-          break;
-        default:
-          if constexpr (RMAX == 4) {
-            if (heads == 3) {
-              decode_item<D, 3>(qb, q_head, heads, kh, vh, table, block_size, ctx, first_key, a_in, m_in, s_in,
-                                acc_head, st_head, ob, o_head, sc);
-            } else {
-              decode_item<D, 4>(qb, q_head, heads, kh, vh, table, block_size, ctx, first_key, a_in, m_in, s_in,
-                                acc_head, st_head, ob, o_head, sc);
-            }
-          }
-      }
+      const float* row_parts = parts.data() + (first_item[b] + lane * num_parts[b]) * kSlot;
+      uint16_t* ob = o_ptr + row_ids[b] * o_row + first_head * o_head;
+      with_rows<D>(heads, [&](auto r) {
+        merge_partitions<D, decltype(r)::value>(heads, row_parts, kSlot, num_parts[b], a_in, m_in, s_in, acc_head,
+                                                st_head, ob, o_head);
+      });
     }
   });
 }
@@ -684,8 +774,8 @@ void paged_decode_rows(const at::Tensor& query, const at::Tensor& k_pool, const 
     const int64_t ctx = lens[b];
     TORCH_CHECK(ctx >= 1 && ctx <= width * block_size, "paged_decode_rows: context ", ctx, " does not fit its table");
     if (starts != nullptr) {
-      TORCH_CHECK(starts[b] >= 0 && starts[b] < ctx && starts[b] % (kTiles * kTile) == 0,
-                  "paged_decode_rows: a head is a multiple of ", kTiles * kTile, " keys and leaves the row's own key");
+      TORCH_CHECK(starts[b] >= 0 && starts[b] < ctx && starts[b] % kPart == 0,
+                  "paged_decode_rows: a head is a multiple of ", kPart, " keys and leaves the row's own key");
       TORCH_CHECK(starts[b] == 0 || b < num_heads_given, "paged_decode_rows: row ", b, " has a head but no state");
     }
     for (int64_t blk = 0; blk * block_size < ctx; ++blk) {
