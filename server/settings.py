@@ -47,11 +47,11 @@ class Settings(BaseSettings):
         "the compute dtype (docs/benchmarks.md, 'Quantized K/V', measures what the 8-bit ones cost)",
     )
     deterministic: Literal["auto"] | bool = Field(
-        "auto",
+        False,
         description="true: a greedy or seeded turn's tokens do not depend on what was cached, where the prompt was "
         "cut into chunks or which rows shared a step (docs/architecture.md, 'Deterministic mode'); auto: true for "
-        "models computing in bf16 or fp16, where rounding made the cache change answers, false in fp32, where it "
-        "did not and the mode costs most (docs/benchmarks.md)",
+        "models computing in bf16 or fp16, where rounding can make the cache change answers; false (the default): "
+        "the faster kernels, whose rounding depends on the step (its price: docs/benchmarks.md)",
     )
     compile: bool = Field(
         False,

@@ -40,7 +40,7 @@ from server.kv.routing import HEAD, KERNEL, SDPA, LoneRowRoute, time_lone_row, t
 from server.kv.snapshot import Snapshot
 from server.models.digest import ModelDigests
 from server.models.loader import LoadedModel
-from server.models.packed_linear import batch_invariance, pad_rows
+from server.models.packed_linear import batch_invariance, decode_products, pad_rows
 
 log = logging.getLogger("kvserve.engine")
 
@@ -84,10 +84,18 @@ class ModelRunner:
             deterministic=deterministic,
         )
         self.deterministic, self.deterministic_detail = False, "off"
+        decode_products(loaded.model, False)  # the mode's probe measures oneDNN's products (another engine's model)
         if deterministic:
             self._deterministic(loaded, has_kernels)
         else:
             pad_rows(loaded.model, 1)
+        # Decode steps' products by our kernel: outside deterministic mode (its sums are not oneDNN's)
+        gemv = not self.deterministic and has_kernels and bool(torch.ops.kvserve.bf16_gemv_available())
+        self.decode_products = decode_products(loaded.model, gemv)
+        if self.decode_products:
+            log.info(
+                "model %s: %d linear layers take decode steps' rows by bf16_gemv", loaded.spec.id, self.decode_products
+            )
         self.facts = facts
         self.backend = self._backend(loaded, choose_backend(facts))
         log.info("model %s: attention by the %s backend: %s", loaded.spec.id, self.backend.name, self.backend.detail)

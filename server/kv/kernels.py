@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("kvserve.kernels")
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "paged_prefill.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "bf16_gemv.cpp")]
 # -ffast-math lets exp() vectorize (glibc's libmvec); the kernel never relies on inf or NaN. -fopenmp: at::parallel_for
 # is a header template that runs its range on torch's OpenMP team only where the including code is built with
 # OpenMP; without it every kernel ran on one thread. It links libgomp.so.1, the one torch has loaded already.

@@ -65,7 +65,9 @@ async def test_the_compiled_model_answers_as_hf_generate(tiny, tmp_path, monkeyp
         assert described["compiled"] is True
         assert described["compile_detail"].startswith("compiled by torch.compile at start in ")
         assert described["compile_detail"].endswith(" s (0 of 2 graphs from the cache)")
-        assert isinstance(tiny.model.model.layers[0].mlp.up_proj, PackedLinear)  # in the graph: kvserve::packed_linear
+        assert isinstance(
+            tiny.model.model.layers[0].mlp.packed_gate_up, PackedLinear
+        )  # in the graph: kvserve::packed_linear
         assert os.environ[CACHE_ENV] == str(tmp_path / "inductor")
         assert compiled.cache_hits == 0
         first = ids(tiny, "The quick brown fox jumps over")

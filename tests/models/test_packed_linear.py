@@ -126,7 +126,7 @@ def test_a_layers_handle_comes_from_its_model_and_path_and_is_never_shared_while
     pack_linears(second, torch.float32, "m")
     own = first.lm_head.handle
     assert second.lm_head.handle != own  # the same model loaded twice: each call finds its own weights
-    assert first.model.layers[0].mlp.up_proj.handle != own
+    assert first.model.layers[0].mlp.packed_gate_up.handle != own
     del first
     gc.collect()
     third = copy.deepcopy(model)
