@@ -204,7 +204,9 @@ class FusedLinear(PackedLinear):
     At a decode step's few rows a product costs its weight's read plus a fixed overhead: one call instead of three
     or two reads the weights faster (on a 2-core AVX512 EPYC, the default model's projections at one row: 15.4 ms a
     step fused, 19.9 ms apart). A part called on another input (a model that feeds them differently) computes the
-    product for it: right, only slower. Each output column is the same dot product as in its own product."""
+    product for it: right, only slower. Each output column is the same dot product as in its own product. Under
+    torch.compile dynamo traces the same bookkeeping (the input's identity, the parts still to read), so a graph
+    calls kvserve::packed_linear once per fused product too (4 calls a layer, counted in the compiled engine)."""
 
     def __init__(self, linear: nn.Linear, name: str, parts: int) -> None:
         super().__init__(linear, name)
@@ -219,8 +221,6 @@ class FusedLinear(PackedLinear):
         return super().__deepcopy__(memo)
 
     def part(self, x: torch.Tensor, index: int, start: int, end: int) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return self(x)[..., start:end]
         if self._input is not x or index not in self._unread:
             self._input, self._out, self._unread = x, self(x), set(range(self.parts))
         assert self._out is not None

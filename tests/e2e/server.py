@@ -106,8 +106,15 @@ class Server:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
 
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        # A preexec_fn makes subprocess fork the test process instead of vfork it: a fork commits as much memory
+        # as the test process has mapped (its servers' untouched 4 GiB pools included), which the kernel refused
+        # (ENOMEM) once a pytest worker had mapped more than the machine's RAM. Only when a limit is asked.
         self.proc = spawn(
-            [sys.executable, "-m", "server", *args], stdout=self.log, stderr=self.log, env=env, preexec_fn=limits
+            [sys.executable, "-m", "server", *args],
+            stdout=self.log,
+            stderr=self.log,
+            env=env,
+            preexec_fn=limits if max_open_files is not None else None,
         )
         if wait:
             self.wait_ready()

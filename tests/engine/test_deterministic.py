@@ -329,3 +329,21 @@ async def test_a_seeded_sampled_turn_from_a_session_draws_the_cold_turn_s_tokens
         assert second.token_ids == cold.token_ids
     finally:
         e.stop()
+
+
+def test_an_engine_out_of_the_mode_takes_decode_rows_by_bf16_gemv_and_one_in_it_after_it_does_not(bf16):
+    gemv = torch.ops.kvserve.bf16_gemv_available()
+    layers = [m for m in bf16.model.modules() if isinstance(m, PackedLinear)]
+    fast = make_engine(bf16, budget_bytes=BUDGET, deterministic=False)
+    try:
+        assert fast.runner.decode_products == (len(layers) if gemv else 0)  # the tiny model's sizes all fit
+        assert all((m.gemv is not None) is bool(gemv) for m in layers)
+    finally:
+        fast.stop()
+    exact = engine(bf16)  # on the same model object: the probe must measure oneDNN's products, not the kernel's
+    try:
+        assert exact.runner.deterministic, exact.runner.deterministic_detail
+        assert exact.runner.decode_products == 0
+        assert all(m.gemv is None for m in layers)
+    finally:
+        exact.stop()

@@ -17,11 +17,16 @@ from transformers import AutoModelForCausalLM
 from server.models import loader
 from server.models.digest import state_dict_digest
 from server.models.loader import load_model
+from server.kv import kernels
 from server.models.packed_linear import (
+    GEMV_MAX_ROWS,
     ROW_TILE,
+    FusedLinear,
+    FusedPart,
     PackedLinear,
     batch_invariance,
     can_pack,
+    decode_products,
     pack_linears,
     pad_rows,
 )
@@ -250,3 +255,103 @@ def test_padded_rows_go_as_one_call_or_a_tile_a_call_and_only_the_rows_given_com
             assert calls == sizes, (multiple, rows)
             assert got.shape == (1, rows, 64)
             assert torch.allclose(got, expected[:, :rows], atol=1e-5), (multiple, rows)
+
+
+def test_an_attentions_q_k_v_and_an_mlps_gate_and_up_are_one_product_each_computed_once_per_input():
+    plain = build_model(vocab_size=300, eos_id=1).to(torch.float32)
+    packed = copy.deepcopy(plain)
+    assert pack_linears(packed, torch.float32, "fused") == 2 * 7 + 1  # every linear layer, fused or not
+    layer = packed.model.layers[0]
+    assert isinstance(layer.self_attn.packed_q_k_v, FusedLinear)
+    assert isinstance(layer.mlp.packed_gate_up, FusedLinear)
+    assert [type(layer.self_attn.q_proj), type(layer.mlp.up_proj)] == [FusedPart, FusedPart]
+    assert type(layer.self_attn.o_proj) is PackedLinear and type(layer.mlp.down_proj) is PackedLinear
+    products: list[int] = []
+    original = PackedLinear._product
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+    with torch.inference_mode():
+        PackedLinear._product = lambda self, x: products.append(self.out_features) or original(self, x)
+        try:
+            got = packed(input_ids=ids).logits
+        finally:
+            PackedLinear._product = original
+        expected = plain(input_ids=ids).logits
+    q, kv, hidden, inter = 64, 32, 64, 128  # the tiny model's q, k and v, hidden and intermediate sizes
+    assert products == [q + 2 * kv, hidden, 2 * inter, hidden] * 2 + [300]  # each fused product once a layer
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (got - expected).abs().max()
+
+
+def test_a_fused_part_called_on_another_input_answers_for_that_input():
+    attention = nn.Module()
+    for name, out in (("q_proj", 32), ("k_proj", 16), ("v_proj", 16)):
+        setattr(attention, name, nn.Linear(48, out))
+    plain = copy.deepcopy(attention)
+    pack_linears(attention, torch.float32, "parts")
+    x, y = torch.randn(3, 48), torch.randn(3, 48)
+    with torch.inference_mode():
+        assert torch.allclose(attention.q_proj(x), plain.q_proj(x), atol=1e-5)
+        assert torch.allclose(attention.k_proj(y), plain.k_proj(y), atol=1e-5)  # not x's product: y's
+        assert torch.allclose(attention.v_proj(x), plain.v_proj(x), atol=1e-5)
+        assert torch.allclose(attention.q_proj(x), plain.q_proj(x), atol=1e-5)  # again on x, after all were read
+        assert torch.allclose(attention.q_proj(y), plain.q_proj(y), atol=1e-5)  # q twice without k and v between
+        attention.k_proj(y), attention.v_proj(y)
+        fused = attention.packed_q_k_v
+        assert fused._out is None and fused._input is None  # every part has read y's product: nothing held
+        attention.q_proj(x)
+        x.add_(1.0)  # changed in place: q asked again is a new call, not the product held for k and v
+        assert torch.allclose(attention.q_proj(x), plain.q_proj(x), atol=1e-5)
+
+
+def test_siblings_that_differ_are_packed_apart():
+    attention = nn.Module()
+    attention.q_proj, attention.k_proj, attention.v_proj = (
+        nn.Linear(48, 32),
+        nn.Linear(48, 16, bias=False),
+        nn.Linear(48, 16),
+    )
+    mlp = nn.Module()
+    mlp.gate_proj, mlp.up_proj = nn.Linear(48, 64), nn.Linear(32, 64)  # another input size
+    model = nn.Sequential(attention, mlp)
+    assert pack_linears(model, torch.float32, "apart") == 5
+    assert all(type(m) is PackedLinear for m in (attention.q_proj, attention.k_proj, mlp.gate_proj, mlp.up_proj))
+
+
+def test_a_copied_model_has_fused_products_of_its_own():
+    model = build_model(vocab_size=300, eos_id=1).to(torch.float32)
+    pack_linears(model, torch.float32, "copy-fused")
+    clone = copy.deepcopy(model)
+    ours, theirs = model.model.layers[0].mlp, clone.model.layers[0].mlp
+    assert theirs.packed_gate_up is not ours.packed_gate_up
+    assert theirs.up_proj.fused is theirs.packed_gate_up  # a part reads its own model's product
+    assert theirs.packed_gate_up.handle != ours.packed_gate_up.handle
+    x = torch.randn(2, model.config.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(theirs.up_proj(x), ours.up_proj(x))
+
+
+@needs_bf16
+@pytest.mark.skipif(not kernels.paged_decode_available(), reason="no kernels built here")
+def test_decode_products_send_calls_of_up_to_8_rows_to_bf16_gemv_and_larger_ones_to_onednn(monkeypatch):
+    if not torch.ops.kvserve.bf16_gemv_available():
+        pytest.skip("no AVX512-BF16 build")
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40))  # 40 outputs: no multiple of 16, stays oneDNN's
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    pack_linears(model.to(torch.bfloat16), torch.bfloat16, "gemv")
+    assert decode_products(model, True) == 1
+    assert model[0].gemv is not None and model[1].gemv is None
+    sizes: list[int] = []
+    onednn = PackedLinear._product
+    monkeypatch.setattr(PackedLinear, "_product", lambda self, x: sizes.append(x.shape[-2]) or onednn(self, x))
+    with torch.inference_mode():
+        for rows in (1, 8, 9, 40):
+            x = torch.randn(1, rows, 64).to(torch.bfloat16)
+            sizes.clear()
+            got = model[0](x)
+            assert sizes == ([] if rows <= GEMV_MAX_ROWS else [rows]), rows
+            exact = plain[0](x).double()
+            assert ((got.double() - exact).abs() <= exact.abs().clamp(min=1) * 2**-6).all()
+        assert decode_products(model, False) == 0
+        assert model[0].gemv is None  # off frees the copy: every call is oneDNN's again
+        sizes.clear()
+        model[0](torch.randn(1, 1, 64).to(torch.bfloat16))
+        assert sizes == [1]
