@@ -30,7 +30,8 @@ def operands(
 def test_the_product_is_the_float64_one_rounded_to_bf16(rows, k, n, bias):
     x, w, b = operands(rows, k, n, seed=rows * 1000 + k + n, bias=bias)
     got = torch.ops.kvserve.bf16_gemv(x, torch.ops.kvserve.bf16_gemv_pack(w), b)
-    assert got.shape == (1, rows, n) and got.dtype == torch.bfloat16
+    assert got.shape == (1, rows, n)
+    assert got.dtype == torch.bfloat16
     exact = x.double() @ w.double().T + (b.double() if b is not None else 0)
     # fp32 sums in another order than float64's, then one rounding to bf16: within a bf16 step of the exact value
     step = exact.abs().clamp(min=1.0) * 2**-7

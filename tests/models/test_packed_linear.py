@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from server.kv import kernels
 from server.models import loader
 from server.models.digest import state_dict_digest
 from server.models.loader import load_model
-from server.kv import kernels
 from server.models.packed_linear import (
     GEMV_MAX_ROWS,
     ROW_TILE,
@@ -265,7 +265,8 @@ def test_an_attentions_q_k_v_and_an_mlps_gate_and_up_are_one_product_each_comput
     assert isinstance(layer.self_attn.packed_q_k_v, FusedLinear)
     assert isinstance(layer.mlp.packed_gate_up, FusedLinear)
     assert [type(layer.self_attn.q_proj), type(layer.mlp.up_proj)] == [FusedPart, FusedPart]
-    assert type(layer.self_attn.o_proj) is PackedLinear and type(layer.mlp.down_proj) is PackedLinear
+    assert type(layer.self_attn.o_proj) is PackedLinear
+    assert type(layer.mlp.down_proj) is PackedLinear
     products: list[int] = []
     original = PackedLinear._product
     ids = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
@@ -296,7 +297,8 @@ def test_a_fused_part_called_on_another_input_answers_for_that_input():
         assert torch.allclose(attention.q_proj(y), plain.q_proj(y), atol=1e-5)  # q twice without k and v between
         attention.k_proj(y), attention.v_proj(y)
         fused = attention.packed_q_k_v
-        assert fused._out is None and fused._input is None  # every part has read y's product: nothing held
+        assert fused._out is None
+        assert fused._input is None
         attention.q_proj(x)
         x.add_(1.0)  # changed in place: q asked again is a new call, not the product held for k and v
         assert torch.allclose(attention.q_proj(x), plain.q_proj(x), atol=1e-5)
@@ -338,7 +340,8 @@ def test_decode_products_send_calls_of_up_to_8_rows_to_bf16_gemv_and_larger_ones
     plain = copy.deepcopy(model).to(torch.bfloat16)
     pack_linears(model.to(torch.bfloat16), torch.bfloat16, "gemv")
     assert decode_products(model, True) == 1
-    assert model[0].gemv is not None and model[1].gemv is None
+    assert model[0].gemv is not None
+    assert model[1].gemv is None
     sizes: list[int] = []
     onednn = PackedLinear._product
     monkeypatch.setattr(PackedLinear, "_product", lambda self, x: sizes.append(x.shape[-2]) or onednn(self, x))
