@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -162,6 +163,29 @@ def drop_page_cache(path: Path) -> None:
 
 def machine_line() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def run_servers(results: dict, names: list[str], bench_one: Callable[[str], dict]) -> bool:
+    """Each server's results under results["servers"] (a server that fails: its error, and the others still
+    run), the time it all took under results["total_s"]; True where every server ran."""
+    start = time.perf_counter()
+    for name in names:
+        try:
+            results["servers"][name] = bench_one(name)
+        except (RuntimeError, httpx.HTTPError) as e:
+            print(f"{name} failed: {e}", file=sys.stderr, flush=True)
+            results["servers"][name] = {"error": str(e)}
+    results["total_s"] = time.perf_counter() - start
+    return not any("error" in r for r in results["servers"].values())
+
+
+def save_results(results: dict, stem: str, section: str) -> Path:
+    """The raw results as bench/results/STEM-<date>.json, and the rendered section printed with where they are."""
+    out_json = ROOT / "bench" / "results" / f"{stem}-{time.strftime('%Y-%m-%d-%H%M')}.json"
+    out_json.parent.mkdir(exist_ok=True)
+    out_json.write_text(json.dumps(results, indent=1))
+    print(f"\n{section}\n\nraw results: {out_json}; {results['total_s']:.0f} s in all")
+    return out_json
 
 
 def replace_section(path: Path, name: str, body: str) -> None:

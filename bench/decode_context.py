@@ -28,7 +28,6 @@ Each server's output goes to /tmp/decode-context-<server>.log. vLLM's venv: see 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,7 +38,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, StreamTimer, machine_line, replace_section
+from common import ROOT, StreamTimer, machine_line, replace_section, run_servers, save_results
 from multiturn import system_prompt
 from peer_servers import STARTERS, Server, kvserve_overrides, label, model_dir, stop
 from peers import cpu_ticks
@@ -272,20 +271,9 @@ def main() -> int:
     if results["load_before"] > 0.5:
         print(f"load average {results['load_before']:.1f} at the start: the machine is busy, numbers may be noisy")
     prompts = Prompts()
-    start = time.perf_counter()
-    for name in names:
-        try:
-            results["servers"][name] = bench_server(name, lengths, prompts, args)
-        except (RuntimeError, httpx.HTTPError) as e:
-            print(f"{name} failed: {e}", file=sys.stderr, flush=True)
-            results["servers"][name] = {"error": str(e)}
-    results["total_s"] = time.perf_counter() - start
-    out_json = ROOT / "bench" / "results" / f"decode-context-{time.strftime('%Y-%m-%d-%H%M')}.json"
-    out_json.parent.mkdir(exist_ok=True)
-    out_json.write_text(json.dumps(results, indent=1))
+    failed = not run_servers(results, names, lambda name: bench_server(name, lengths, prompts, args))
     section = render(results, args)
-    print(f"\n{section}\n\nraw results: {out_json}; {results['total_s']:.0f} s in all")
-    failed = any("error" in r for r in results["servers"].values())
+    save_results(results, "decode-context", section)
     if failed:
         print("a server failed: docs/ left as it is", file=sys.stderr)
     elif not args.no_write:

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import statistics
@@ -63,7 +62,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, StreamTimer, machine_line, replace_section
+from common import ROOT, StreamTimer, machine_line, replace_section, run_servers, save_results
 from multiturn import QUESTIONS, TOPICS, system_prompt
 from peer_servers import STARTERS, Server, kvserve_overrides, stop
 from peers_report import NOISY, WORKLOADS, plot, render
@@ -262,20 +261,9 @@ def main() -> int:
     }
     if results["load_before"] > 0.5:
         print(f"load average {results['load_before']:.1f} at the start: the machine is busy, numbers may be noisy")
-    start = time.perf_counter()
-    for name in names:
-        try:
-            results["servers"][name] = bench_server(name, workloads, levels, args)
-        except (RuntimeError, httpx.HTTPError) as e:
-            print(f"{name} failed: {e}", file=sys.stderr, flush=True)
-            results["servers"][name] = {"error": str(e)}
-    results["total_s"] = time.perf_counter() - start
-    out_json = ROOT / "bench" / "results" / f"peers-{time.strftime('%Y-%m-%d-%H%M')}.json"
-    out_json.parent.mkdir(exist_ok=True)
-    out_json.write_text(json.dumps(results, indent=1))
+    failed = not run_servers(results, names, lambda name: bench_server(name, workloads, levels, args))
     section = render(results, args)
-    print(f"\n{section}\n\nraw results: {out_json}; {results['total_s']:.0f} s in all")
-    failed = any("error" in r for r in results["servers"].values())
+    save_results(results, "peers", section)
     if failed:
         print("a server failed: docs/ left as it is", file=sys.stderr)
     elif not args.no_write:
