@@ -19,7 +19,7 @@ from server.kv.attention import unsupported_reason
 from server.models.convert import converted
 from server.models.digest import ModelDigests, config_digest, state_dict_digest, tokenizer_digest, weights_digest
 from server.models.dtype import DtypeChoice, choose_dtype
-from server.models.packed_linear import can_pack, pack_linears
+from server.models.packed_linear import PackedLinear, can_pack, pack_linears
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -159,7 +159,9 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
         weights = state_dict_digest(model)
     digests = ModelDigests(weights, config_digest(config), tokenizer_digest(tokenizer))
     if can_pack(model, device, dtype):
-        log.info("model %s: %d linear layers packed for oneDNN", spec.id, pack_linears(model, dtype, spec.id))
+        layers = pack_linears(model, dtype, spec.id)
+        products = sum(isinstance(m, PackedLinear) for m in model.modules())
+        log.info("model %s: %d linear layers packed for oneDNN as %d products", spec.id, layers, products)
     if spec.chat_template:
         tokenizer.chat_template = _read_template(spec)
     text_config = model.config.get_text_config(decoder=True)
