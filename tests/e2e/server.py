@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import signal
 import socket
 import subprocess
@@ -101,21 +100,14 @@ class Server:
             args += ["--models-file", str(models)]  # else models/models.toml's, the default model
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
 
-        def limits() -> None:
-            if max_open_files is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
-
+        command = [sys.executable, "-m", "server", *args]
+        if max_open_files is not None:  # the limit set by a shell that then becomes the server (exec: same pid)
+            command = ["sh", "-c", f'ulimit -n {int(max_open_files)} && exec "$0" "$@"', *command]
         self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        # A preexec_fn makes subprocess fork the test process instead of vfork it: a fork commits as much memory
-        # as the test process has mapped (its servers' untouched 4 GiB pools included), which the kernel refused
-        # (ENOMEM) once a pytest worker had mapped more than the machine's RAM. Only when a limit is asked.
-        self.proc = spawn(
-            [sys.executable, "-m", "server", *args],
-            stdout=self.log,
-            stderr=self.log,
-            env=env,
-            preexec_fn=limits if max_open_files is not None else None,
-        )
+        # No preexec_fn: with one, subprocess forks the test process instead of vforking it, and a fork commits as
+        # much memory as the test process has mapped (its apps' untouched 4 GiB pools included): the kernel refused
+        # it (ENOMEM) once a pytest worker had mapped more than the machine's RAM.
+        self.proc = spawn(command, stdout=self.log, stderr=self.log, env=env)
         if wait:
             self.wait_ready()
 
