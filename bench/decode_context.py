@@ -40,7 +40,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, StreamTimer, machine_line, replace_section, run_servers, save_results
 from multiturn import system_prompt
-from peer_servers import STARTERS, Server, kvserve_overrides, label, model_dir, stop
+from peer_servers import STARTERS, Server, greedy_stream, kvserve_overrides, label, model_dir, stop
 from peers import cpu_ticks
 from peers_report import NOISY, kvserve_settings
 
@@ -74,15 +74,7 @@ def max_context(server: Server) -> int | None:
 
 
 def complete(client: httpx.Client, server: Server, ids: list[int], max_tokens: int) -> dict:
-    body = {
-        "model": server.model,
-        "prompt": ids,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **server.body,  # ignore_eos
-    }
+    body = greedy_stream(server, max_tokens, prompt=ids)  # with ignore_eos
     timer = StreamTimer()
     with client.stream("POST", "/completions", json=body) as r:
         if r.status_code != 200:

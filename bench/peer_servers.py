@@ -128,6 +128,20 @@ def python_output(python: str, code: str) -> str:
         raise RuntimeError(f"{python}: {getattr(e, 'stderr', None) or e}") from e
 
 
+def greedy_stream(server: Server, max_tokens: int, **fields: object) -> dict:
+    """A request body for `server`: `fields` (messages or prompt), greedy, streamed with usage, the server's own
+    extras (ignore_eos)."""
+    return {
+        "model": server.model,
+        **fields,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **server.body,
+    }
+
+
 def start_kvserve_compiled(args, log: Path, dtype: str | None) -> Server:
     """kvserve with its model compiled at start (`--compile true`)."""
     return start_kvserve(args, log, dtype, {"KVSERVE_COMPILE": "true"})

@@ -64,20 +64,12 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, StreamTimer, machine_line, replace_section, run_servers, save_results
 from multiturn import QUESTIONS, TOPICS, system_prompt
-from peer_servers import STARTERS, Server, kvserve_overrides, stop
+from peer_servers import STARTERS, Server, greedy_stream, kvserve_overrides, stop
 from peers_report import NOISY, WORKLOADS, plot, render
 
 
 async def chat(client: httpx.AsyncClient, server: Server, messages: list[dict], max_tokens: int, headers) -> dict:
-    body = {
-        "model": server.model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **server.body,
-    }
+    body = greedy_stream(server, max_tokens, messages=messages)
     timer = StreamTimer()
     async with client.stream("POST", "/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
