@@ -165,6 +165,22 @@ def machine_line() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
+def new_results(args, **fields: object) -> dict:
+    """A side-by-side run's record: when, where, its arguments and `fields`, its servers to come, and the load
+    average at the start (said aloud when the machine is busy)."""
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine_line(),
+        "args": vars(args),
+        **fields,
+        "servers": {},
+        "load_before": os.getloadavg()[0],
+    }
+    if results["load_before"] > 0.5:
+        print(f"load average {results['load_before']:.1f} at the start: the machine is busy, numbers may be noisy")
+    return results
+
+
 def run_servers(results: dict, names: list[str], bench_one: Callable[[str], dict]) -> bool:
     """Each server's results under results["servers"] (a server that fails: its error, and the others still
     run), the time it all took under results["total_s"]; True where every server ran."""

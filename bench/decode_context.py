@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, StreamTimer, machine_line, replace_section, run_servers, save_results
+from common import ROOT, StreamTimer, new_results, replace_section, run_servers, save_results
 from multiturn import system_prompt
 from peer_servers import STARTERS, Server, greedy_stream, kvserve_overrides, label, model_dir, stop
 from peers import cpu_ticks
@@ -251,17 +251,7 @@ def main() -> int:
     if args.repeats < 1 or args.max_tokens < 2 or min(lengths) < 1:
         parser.error("--repeats at least 1, --max-tokens at least 2 (a rate needs two tokens), lengths at least 1")
     args.vllm_args = f"--max-model-len {args.vllm_max_model_len} {args.vllm_args}"
-    results: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine_line(),
-        "args": vars(args),
-        "lengths": lengths,
-        "kvserve_env": kvserve_overrides(),
-        "servers": {},
-        "load_before": os.getloadavg()[0],
-    }
-    if results["load_before"] > 0.5:
-        print(f"load average {results['load_before']:.1f} at the start: the machine is busy, numbers may be noisy")
+    results = new_results(args, lengths=lengths, kvserve_env=kvserve_overrides())
     prompts = Prompts()
     failed = not run_servers(results, names, lambda name: bench_server(name, lengths, prompts, args))
     section = render(results, args)

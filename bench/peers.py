@@ -62,7 +62,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, StreamTimer, machine_line, replace_section, run_servers, save_results
+from common import ROOT, StreamTimer, new_results, replace_section, run_servers, save_results
 from multiturn import QUESTIONS, TOPICS, system_prompt
 from peer_servers import STARTERS, Server, greedy_stream, kvserve_overrides, stop
 from peers_report import NOISY, WORKLOADS, plot, render
@@ -242,17 +242,7 @@ def main() -> int:
     if unknown := set(workloads) - set(WORKLOADS):
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
     levels = [int(n) for n in args.levels.split(",")]
-    results: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine_line(),
-        "args": vars(args),
-        "workloads": workloads,
-        "kvserve_env": kvserve_overrides(),
-        "servers": {},
-        "load_before": os.getloadavg()[0],
-    }
-    if results["load_before"] > 0.5:
-        print(f"load average {results['load_before']:.1f} at the start: the machine is busy, numbers may be noisy")
+    results = new_results(args, workloads=workloads, kvserve_env=kvserve_overrides())
     failed = not run_servers(results, names, lambda name: bench_server(name, workloads, levels, args))
     section = render(results, args)
     save_results(results, "peers", section)

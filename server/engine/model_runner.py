@@ -84,8 +84,8 @@ class ModelRunner:
             deterministic=deterministic,
         )
         self.deterministic, self.deterministic_detail = False, "off"
-        decode_products(loaded.model, False)  # the mode's probe measures oneDNN's products (another engine's model)
         if deterministic:
+            decode_products(loaded.model, False)  # its probe measures oneDNN's products (another engine's model)
             self._deterministic(loaded, has_kernels)
         else:
             pad_rows(loaded.model, 1)

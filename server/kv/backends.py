@@ -13,7 +13,8 @@ kernels) is one more class and one more line in `choose_backend`.
   `paged_decode_rows` (a long row's partitions on several threads), and decode rows sharing a long prefix
   (a cached system prompt) resume from one walk over that prefix for all of them (a cascade head, kept
   laid out across steps) at a partition's edge. So a token's attention is bit for bit the same whichever
-  way it was computed, and deterministic mode costs this backend nothing. Prefill chunks may go to SDPA
+  way it was computed, and deterministic mode costs this backend's attention nothing (its price is in
+  the linear products: server/models/packed_linear.py, `decode_products`). Prefill chunks may go to SDPA
   instead where it was timed faster at start (not in deterministic mode).
 - `KernelBackend`: the C++ decode kernel on any CPU pool it serves (fp32, fp16, bf16 without the tiled
   kernel's conditions, 8-bit K/V, windows, softcaps): short decode rows in one call; long ones by cascade
