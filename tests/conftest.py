@@ -9,6 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the tests may reach a
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ["KVSERVE_STATE_DIR"] = ""  # memory only, unless a test gives its app a directory of its own
 
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run on CPU tensors in triton's interpreter (read at definition)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from server.models.loader import LoadedModel, ModelSpec, load_model
 from tests.tiny import save_tiny
 

@@ -15,3 +15,4 @@ class EngineConfig:
     compile_dir: str | None = None  # compile the model (CPU), its artifacts kept here; None: eager
     kv_dtype: str = "auto"  # how the pool stores K/V: auto | compute | int8 | fp8 (server/kv/pool.py)
     deterministic: bool = False  # a token's K/V and logits independent of batch, chunks and cache (model_runner)
+    attention: str = "auto"  # the attention backend: auto (chosen by the machine) or one of backends.BACKENDS

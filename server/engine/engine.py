@@ -41,7 +41,13 @@ class Engine:
         self.loaded, self.model_id, self.store, self.config = loaded, loaded.spec.id, store, config
         kv_dtype = stored_dtype(config.kv_dtype, loaded.dtype, loaded.device)
         self.runner = ModelRunner(
-            loaded, config.budget_bytes, config.block_size, config.compile_dir, kv_dtype, config.deterministic
+            loaded,
+            config.budget_bytes,
+            config.block_size,
+            config.compile_dir,
+            kv_dtype,
+            config.deterministic,
+            config.attention,
         )
         self.fingerprint = self.runner.fingerprint
         self.token_bytes = self.runner.layout.bytes_per_token

@@ -12,7 +12,9 @@ sampled positions only.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,15 +25,18 @@ from server.engine.scheduler import Row
 from server.kv import kernels, offload
 from server.kv.attention import StepMeta, attention_inputs, install, stepping
 from server.kv.backends import (
+    BACKENDS,
     KERNEL_BACKEND,
     SDPA_BACKEND,
     TILED_BACKEND,
+    TRITON_BACKEND,
     AttentionBackend,
     BackendFacts,
     KernelBackend,
     SdpaBackend,
     StepRow,
     TiledBackend,
+    TritonBackend,
     choose_backend,
 )
 from server.kv.head_layouts import HeadLayouts
@@ -40,7 +45,7 @@ from server.kv.routing import HEAD, KERNEL, SDPA, LoneRowRoute, time_lone_row, t
 from server.kv.snapshot import Snapshot
 from server.models.digest import ModelDigests
 from server.models.loader import LoadedModel
-from server.models.packed_linear import batch_invariance, decode_products, pad_rows
+from server.models.packed_linear import batch_invariance, decode_products, linear_invariance, pad_rows
 
 log = logging.getLogger("kvserve.engine")
 
@@ -63,9 +68,11 @@ class ModelRunner:
         compile_dir: str | None = None,
         kv_dtype: torch.dtype | None = None,
         deterministic: bool = False,
+        attention: str = "auto",
     ) -> None:
         """`kv_dtype`: the quantized format the pool stores K/V in (None: the compute dtype); `deterministic`: make
-        a token's K/V and logits independent of the step it is computed in (`_deterministic`)."""
+        a token's K/V and logits independent of the step it is computed in (`_deterministic`); `attention`: the
+        backend (auto: `choose_backend`; triton on a CPU only under TRITON_INTERPRET=1, for tests)."""
         self.model = loaded.model
         self.device = loaded.device
         self.layout = KVLayout.of(loaded.model.config, loaded.dtype, kv_dtype)
@@ -82,11 +89,13 @@ class ModelRunner:
             is_quantized=self.layout.is_quantized,
             plain_layers=not {"sliding_window", "softcap"} & attention_inputs(loaded.model),
             deterministic=deterministic,
+            has_triton=triton_available(),
         )
+        name = choose_backend(facts) if attention == "auto" else _forced(attention, facts)
         self.deterministic, self.deterministic_detail = False, "off"
         if deterministic:
             decode_products(loaded.model, False)  # its probe measures oneDNN's products (another engine's model)
-            self._deterministic(loaded, has_kernels)
+            self._deterministic(loaded, has_kernels, name)
         else:
             pad_rows(loaded.model, 1)
         # Decode steps' products by our kernel: outside deterministic mode (its sums are not oneDNN's)
@@ -97,7 +106,7 @@ class ModelRunner:
                 "model %s: %d linear layers take decode steps' rows by bf16_gemv", loaded.spec.id, self.decode_products
             )
         self.facts = facts
-        self.backend = self._backend(loaded, choose_backend(facts))
+        self.backend = self._backend(loaded, name)
         log.info("model %s: attention by the %s backend: %s", loaded.spec.id, self.backend.name, self.backend.detail)
         if self.deterministic:
             self.deterministic_detail = f"on: attention by the {self.backend.name} backend, {self.deterministic_detail}"
@@ -121,6 +130,8 @@ class ModelRunner:
         num_heads = int(text.num_attention_heads)
         if name == SDPA_BACKEND:
             return SdpaBackend(self.pool)
+        if name == TRITON_BACKEND:
+            return TritonBackend(self.pool, every_token=self.deterministic)
         if name == TILED_BACKEND:
             layouts = HeadLayouts.for_pool(self.layout, self.pool.block_size, self.pool.nbytes)
             by_kernel = True
@@ -145,16 +156,21 @@ class ModelRunner:
         lone = route.way if uses_heads or route.way != HEAD else min((KERNEL, SDPA), key=route.times_us.__getitem__)
         return KernelBackend(self.pool, lone, uses_heads)
 
-    def _deterministic(self, loaded: LoadedModel, has_kernels: bool) -> None:
+    def _deterministic(self, loaded: LoadedModel, has_kernels: bool, backend: str) -> None:
         """Deterministic mode: a token's K/V and logits depend on its tokens alone, not on the step's other rows,
         where its prompt was cut into chunks or which K/V was cached (docs/architecture.md). Attention: the
         backend computes every row in one order that depends on its position only (the tiled backend does so
-        always; the kernel backend sends every token to the decode kernel). The linear layers are made
-        batch-invariant as measured (`batch_invariance`)."""
+        always; the kernel and Triton backends send every token to their decode kernel, whose splits are fixed).
+        The linear layers are made batch-invariant as measured (`batch_invariance`; on CUDA they are probed as
+        they are, `linear_invariance`: cuBLAS picks its kernels by the row count)."""
         name = loaded.spec.id
-        ways = batch_invariance(loaded.model) if has_kernels else None
+        if backend == TRITON_BACKEND:
+            ways = linear_invariance(loaded.model)
+        else:
+            ways = batch_invariance(loaded.model) if has_kernels else None
         if ways is None:
-            why = "needs the paged kernel" if not has_kernels else "its linear layers are not batch-invariant"
+            kernel = backend == TRITON_BACKEND or has_kernels
+            why = "needs the paged kernel" if not kernel else "its linear layers are not batch-invariant"
             self.deterministic_detail = f"unavailable: {why} on {loaded.device.type} in {loaded.dtype}"
             log.warning("model %s: deterministic mode %s", name, self.deterministic_detail)
             pad_rows(loaded.model, 1)
@@ -218,6 +234,29 @@ class ModelRunner:
             else:
                 self.counter.num_prefill_tokens += len(row.token_ids)
         self.counter.num_forwards += 1
+
+
+def triton_available() -> bool:
+    """triton can be imported here (the GPU kernels; on a CPU only the interpreter runs them)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _forced(name: str, facts: BackendFacts) -> str:
+    """A backend asked for by name: checked against what can run here."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r}: expected auto or one of {', '.join(BACKENDS)}")
+    why = None
+    if name == TRITON_BACKEND and not facts.has_triton:
+        why = "triton is not installed"
+    elif name == TRITON_BACKEND and facts.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        why = "on a CPU it runs only under TRITON_INTERPRET=1 (tests)"
+    elif name in (KERNEL_BACKEND, TILED_BACKEND) and not facts.has_kernels:
+        why = "it needs the CPU kernels, which are not built here"
+    elif name == TILED_BACKEND and not (facts.tiled_serves and not facts.is_quantized and facts.plain_layers):
+        why = "it serves bf16 pools on AVX512-BF16, head size 64 or 128, no window, softcap or 8-bit K/V"
+    if why is not None:
+        raise ValueError(f"attention backend {name!r}: {why}")
+    return name
 
 
 def _compiled(loaded: LoadedModel, cache_dir: str) -> tuple[CompiledModel | None, str]:

@@ -138,6 +138,8 @@ class Attends(Protocol):
         softcap: float | None,
     ) -> None: ...
 
+    def write(self, step: StepMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None: ...
+
 
 @dataclass(slots=True)
 class StepMeta:
@@ -149,6 +151,7 @@ class StepMeta:
     decode: DecodeRows | None = None  # the rows a kernel attends to in one call
     prefill: PrefillRows | None = None  # the chunks the prefill kernel attends to in one call (no window, no softcap)
     backend: Attends | None = None  # runs each layer (None: every row is a span)
+    launch: Any = None  # what the backend keeps for this step's kernels (the Triton backend's grids and workspace)
     num_op_calls: int = 0  # layers attended through kvserve::step_attention (a compiled graph's)
 
 
@@ -252,11 +255,12 @@ def _paged(
 ) -> torch.Tensor:
     """The step's attention for one layer: the new K/V into their slots, then each row over its keys as the
     step's backend planned it."""
-    step.pool.write(layer, step.slot_mapping, key[0], value[0])
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
     if step.backend is not None:
+        step.backend.write(step, layer, key[0], value[0])
         step.backend.attend(step, layer, query, out, scale, sliding_window, softcap)
     else:
+        step.pool.write(layer, step.slot_mapping, key[0], value[0])
         attend_spans(step, layer, query, out, scale, sliding_window, softcap)
     return out.unsqueeze(0)
 

@@ -21,7 +21,14 @@ kernels) is one more class and one more line in `choose_backend`.
   heads (torch's flash attention, resumed by the kernel), SDPA on a view or the kernel, as timed at start;
   prefill chunks by SDPA (or the prefill kernel over a dequantized copy, for 8-bit pools). In deterministic
   mode every token of every row is a kernel row (one order per position, no choice).
-- `SdpaBackend`: every row one SDPA call over its context (no compiler on the machine, or not a CPU).
+- `TritonBackend`: the Triton kernels (server/kv/triton_attention.py) on a CUDA device where triton is
+  installed: the K/V write (quantizing for 8-bit pools), decode rows by a split-K kernel (fixed splits of
+  SPLIT_KEYS keys, merged in order), prefill chunks by a kernel walking the chunk's earlier K/V in place;
+  windows, softcaps and 8-bit K/V in the kernels. In deterministic mode every token is a decode row over its
+  own keys (one order per position, as the kernel backend does). On a CPU they run under TRITON_INTERPRET=1
+  only (the tests).
+- `SdpaBackend`: every row one SDPA call over its context (no compiler on the machine, or neither a CPU nor a
+  CUDA device with triton).
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from server.kv.routing import KERNEL, SDPA
 
 log = logging.getLogger("kvserve.engine")
 
-SDPA_BACKEND, KERNEL_BACKEND, TILED_BACKEND = "sdpa", "kernel", "tiled"
+SDPA_BACKEND, KERNEL_BACKEND, TILED_BACKEND, TRITON_BACKEND = "sdpa", "kernel", "tiled", "triton"
+BACKENDS = (SDPA_BACKEND, KERNEL_BACKEND, TILED_BACKEND, TRITON_BACKEND)
 # Decode rows with at most this many keys go to the decode kernel, all in one call: it saves SDPA's per-call cost,
 # which is most of a short row's time (bench/attention_cost.py). A longer row shares a head with the rows whose
 # blocks start alike (cascade attention); a lone one goes the way timed fastest on this machine at start
@@ -65,11 +73,14 @@ class BackendFacts:
     is_quantized: bool  # K/V stored in 8 bits
     plain_layers: bool  # no layer has a sliding window or a logit softcap
     deterministic: bool  # deterministic mode asked for (and the linear layers can be made batch-invariant)
+    has_triton: bool = False  # triton is installed (the GPU kernels)
 
 
 def choose_backend(facts: BackendFacts) -> str:
-    """The backend for these facts: the tiled kernel wherever it serves, else the decode kernel on a CPU that built
-    it, else SDPA."""
+    """The backend for these facts: the Triton kernels on a CUDA device that has triton; on a CPU the tiled kernel
+    wherever it serves, else the decode kernel where it was built; else SDPA."""
+    if facts.device == "cuda" and facts.has_triton:
+        return TRITON_BACKEND
     if facts.device != "cpu" or not facts.has_kernels:
         return SDPA_BACKEND
     if facts.tiled_serves and not facts.is_quantized and facts.plain_layers:
@@ -137,6 +148,10 @@ class AttentionBackend:
     ) -> None:
         """query [1, H, T, D] -> out [T, H, D], the step's K/V already in the pool."""
         raise NotImplementedError
+
+    def write(self, step: StepMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The step's new K/V [kv_heads, T, D] into their slots, before the layer attends."""
+        self.pool.write(layer, step.slot_mapping, key, value)
 
     def rest(self) -> None:
         """No rows this step (the engine waits for work): what is kept across steps may go."""
@@ -490,6 +505,89 @@ class KernelBackend(AttentionBackend):
                 softcap or 0.0,
             )
         attend_spans(step, layer, query, out, scale, window, softcap)
+
+
+@dataclass(slots=True)
+class TritonLaunch:
+    """A step's Triton grids: the prefill programs' (chunk, first query) pairs, and the decode split kernel's
+    partial results (made by the step's first layer, reused by the others)."""
+
+    tiles: torch.Tensor | None = None  # [N, 2] int32
+    max_keys: int = 0  # the longest decode row's keys: how many splits the workspace holds
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class TritonBackend(AttentionBackend):
+    """The Triton kernels (see the module's docstring): decode rows by the split-K kernel, chunks by the prefill
+    kernel, the K/V written by a kernel (quantized there for an 8-bit pool); `every_token`: deterministic mode."""
+
+    name = TRITON_BACKEND
+
+    def __init__(self, pool: KVPool, every_token: bool = False) -> None:
+        super().__init__(pool)
+        from server.kv import triton_attention  # triton is imported where this backend serves only
+
+        self.kernels = triton_attention
+        self.every_token = every_token
+        if every_token:
+            self.detail = f"Triton kernels, every token a decode row (splits of {triton_attention.SPLIT_KEYS} keys)"
+        else:
+            self.detail = (
+                f"Triton kernels: decode rows split every {triton_attention.SPLIT_KEYS} keys, prefill chunks in place"
+            )
+
+    def plan(self, rows: list[StepRow], slot_mapping: torch.Tensor) -> StepMeta:
+        decode: list[DecodeRow] = []
+        chunks: list[tuple[int, int, int, list[int]]] = []
+        for r in rows:
+            start = r.ctx_len - r.num_tokens
+            if r.num_tokens == 1:
+                decode.append(DecodeRow(r.at, r.table, r.ctx_len, r.blocks))
+            elif self.every_token:  # every token a decode row over its own keys
+                decode += [DecodeRow(r.at - start + p, r.table, p + 1, r.blocks) for p in range(start, r.ctx_len)]
+            else:
+                chunks.append((r.at, r.num_tokens, r.ctx_len, r.table))
+        meta = StepMeta(self.pool, slot_mapping, [], backend=self, launch=TritonLaunch())
+        if decode:
+            meta.decode = self._decode_rows(decode, [])
+            meta.launch.max_keys = max(r.ctx_len for r in decode)
+        if chunks:
+            meta.prefill = self._prefill_rows(chunks)
+            meta.launch.tiles = self.kernels.prefill_tiles([c[1] for c in chunks], self.device)
+        return self._count(meta)
+
+    def _prefill_rows(self, chunks: list[tuple[int, int, int, list[int]]]) -> PrefillRows:
+        bs = self.pool.block_size
+        width = max(-(-ctx // bs) for _, _, ctx, _ in chunks)
+        tables = [table[: -(-ctx // bs)] + [0] * (width - -(-ctx // bs)) for _, _, ctx, table in chunks]
+        int32 = self._int32
+        return PrefillRows(
+            int32([c[0] for c in chunks]), int32([c[1] for c in chunks]), int32([c[2] for c in chunks]), int32(tables)
+        )
+
+    def write(self, step: StepMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        pool = self.pool
+        self.kernels.store_kv(pool.k[layer], pool.v[layer], step.slot_mapping, key, value, pool.is_quantized)
+
+    def attend(self, step, layer, query, out, scale, window, softcap) -> None:  # type: ignore[no-untyped-def]
+        pool, launch = self.pool, step.launch
+        q = query[0].transpose(0, 1)  # [T, H, D], a view
+        k_pool, v_pool = pool.k[layer], pool.v[layer]
+        if step.prefill is not None:
+            p = step.prefill
+            self.kernels.prefill(
+                q, k_pool, v_pool, out, launch.tiles, p.q_starts, p.q_lens, p.context_lens, p.block_tables,
+                pool.block_size, scale, window, softcap, pool.is_quantized,
+            )  # fmt: skip
+        if step.decode is not None:
+            d = step.decode
+            if launch.workspace is None:
+                rows, (heads, dim) = d.rows.numel(), q.shape[1:]
+                launch.workspace = self.kernels.decode_workspace(rows, heads, dim, launch.max_keys, self.device)
+            self.kernels.decode(
+                q, k_pool, v_pool, out, d.rows, d.block_tables, d.context_lens, launch.workspace,
+                pool.block_size, scale, window, softcap, pool.is_quantized,
+            )  # fmt: skip
 
 
 def _common_prefix(tables: list[list[int]]) -> int:

@@ -160,6 +160,33 @@ def _invariant(layer: PackedLinear, multiple: int) -> bool:
         layer.row_multiple, layer.per_tile = kept
 
 
+def linear_invariance(model: nn.Module) -> dict[str, int] | None:
+    """Whether the model's plain linear layers (as they are on a GPU: no packing, no padding) are batch-invariant,
+    probed as `batch_invariance` probes packed ones, once per layer shape on that shape's first layer (the
+    layers of one shape share their kernels): {"as they are": n} or None (a shape is not, e.g. where cuBLAS picks
+    another kernel, or another split of the sum, for another row count)."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not layers:
+        return None
+    shapes: dict[tuple[int, int, torch.dtype], nn.Linear] = {}
+    for layer in layers:
+        shapes.setdefault((layer.in_features, layer.out_features, layer.weight.dtype), layer)
+    return {"as they are": len(layers)} if all(_rows_invariant(m) for m in shapes.values()) else None
+
+
+def _rows_invariant(layer: nn.Module) -> bool:
+    """A row's product the same whatever rows share the call (at PROBE_ROWS sizes, shifted, and alone)."""
+    weight: torch.Tensor = layer.weight  # type: ignore[assignment]
+    rows = max(PROBE_ROWS)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn((1, rows, weight.shape[1]), generator=generator).to(weight.device, weight.dtype)
+    with torch.inference_mode():
+        whole = layer(x)
+        same = all(torch.equal(layer(x[:, :n]), whole[:, :n]) for n in PROBE_ROWS)
+        same = same and torch.equal(layer(x.roll(37, 1)), whole.roll(37, 1))
+        return same and all(torch.equal(layer(x[:, i : i + 1]), whole[:, i : i + 1]) for i in (4, rows - 1))
+
+
 def decode_products(model: nn.Module, on: bool) -> int:
     """Calls of 1 to GEMV_MAX_ROWS rows (decode steps) to our kernel, kvserve::bf16_gemv (on), or all to oneDNN.
 

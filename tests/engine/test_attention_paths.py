@@ -59,7 +59,10 @@ def facts(**changes) -> BackendFacts:
         ({"is_quantized": True}, "kernel"),  # the walk reads bf16 keys; the kernel dequantizes 8-bit ones
         ({"plain_layers": False}, "kernel"),  # windows and softcaps: the decode kernel and SDPA honour them
         ({"has_kernels": False}, "sdpa"),  # no compiler here
-        ({"device": "cuda"}, "sdpa"),
+        ({"device": "cuda"}, "sdpa"),  # no triton installed
+        ({"device": "cuda", "has_triton": True}, "triton"),
+        ({"device": "cuda", "has_triton": True, "deterministic": True, "is_quantized": True}, "triton"),
+        ({"has_triton": True}, "tiled"),  # on a CPU triton runs only in its interpreter (tests)
         ({"device": "mps", "tiled_serves": False}, "sdpa"),
     ],
 )

@@ -69,8 +69,15 @@ def hf_reference(directory):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64, attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("path", ["kernel", "cascade", "sdpa"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# The Triton backend (in triton's interpreter here: slower) on the families that differ in its kernels' terms:
+# plain GQA, a window on every layer, on some layers, and windows with softcaps.
+TRITON_FAMILIES = ("llama", "mistral-window", "qwen2-window", "gemma2-softcap")
+PATHS = [(f, p) for f in sorted(FAMILIES) for p in ("kernel", "cascade", "sdpa")] + [
+    (f, "triton") for f in TRITON_FAMILIES
+]
+
+
+@pytest.mark.parametrize(("family", "path"), PATHS)
 async def test_paged_engine_matches_generate(family, path, tokenizer, tmp_path, monkeypatch):
     spec = save_family(family, tokenizer, tmp_path)
     loaded = load_model(spec, tmp_path)
@@ -79,10 +86,11 @@ async def test_paged_engine_matches_generate(family, path, tokenizer, tmp_path, 
         monkeypatch.setattr(kernels, "paged_decode_available", lambda: False)
     if path == "cascade":  # every decode row counts as long: heads where the layers allow, else whole rows
         monkeypatch.setattr(backends, "KERNEL_MAX_CONTEXT", 4)
-    engine = make_engine(loaded, budget_bytes=1 << 22, block_size=4)
+    # triton: the GPU's kernels, here in triton's interpreter (windows and softcaps in the kernels)
+    engine = make_engine(loaded, budget_bytes=1 << 22, block_size=4, attention="triton" if path == "triton" else "auto")
     backend = engine.runner.backend
-    assert backend.name == ("sdpa" if path == "sdpa" else "kernel")  # float64: the decode kernel's pools
-    if path != "sdpa":
+    assert backend.name == (path if path in ("sdpa", "triton") else "kernel")  # float64: the decode kernel's pools
+    if path in ("kernel", "cascade"):
         assert backend.uses_heads == (family in ("gemma", "llama", "qwen3"))
     if path == "cascade":  # lone long rows: a head of their leading run where the layers allow, else SDPA on a view
         backend.lone_rows = HEAD if backend.uses_heads else SDPA

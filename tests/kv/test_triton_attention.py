@@ -1,0 +1,226 @@
+"""The Triton kernels (server/kv/triton_attention.py) against float64 attention over a paged pool.
+
+Without CUDA they run in triton's interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1); on a
+GPU (bench/gpu_check.sh) the same tests run the compiled kernels on the device. Blocks are scattered (a
+shuffled table), lengths cross block edges and decode splits, GQA groups are 1 to 8, head sizes 64 and 128.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.kv import triton_attention as ta
+from server.kv.pool import KV_DTYPES, KVLayout, KVPool, quantize
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # the output's own rounding (bf16: 8 bits) and P in bf16
+
+
+def make_pool(kv_heads: int, dim: int, dtype: torch.dtype, kv: str | None, block_size: int, num_blocks: int) -> KVPool:
+    layout = KVLayout(1, kv_heads, dim, dtype, KV_DTYPES[kv] if kv else None)
+    return KVPool(layout, num_blocks, block_size, DEVICE)
+
+
+def fill(pool: KVPool, tables: list[list[int]], lens: list[int], gen: torch.Generator) -> None:
+    """Random K/V in every slot the sequences use (written the pool's own way: quantized where it is)."""
+    for table, n in zip(tables, lens, strict=True):
+        slots = pool.slots(table, n)
+        shape = (pool.layout.num_kv_heads, n, pool.layout.head_dim)
+        k, v = (torch.randn(shape, generator=gen).to(DEVICE, pool.layout.dtype) for _ in range(2))
+        pool.write(0, slots, k, v)
+
+
+def context(pool: KVPool, table: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's keys and values [kv_heads, n, D] as the model computes with them, in float64."""
+    k, v = pool.read(0, 0, 0, pool.slots(table, n))
+    return k.double(), v.double()
+
+
+def reference(q, k, v, positions, scale, window=None, softcap=None) -> torch.Tensor:
+    """q [n, H, D], k/v [kvH, ctx, D], positions [n] -> [n, H, D] in float64."""
+    group = q.shape[1] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [H, ctx, D]
+    scores = torch.einsum("nhd,hkd->nhk", q.double(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    keys = torch.arange(k.shape[1])
+    pos = torch.tensor(positions)[:, None]
+    visible = keys[None, :] <= pos
+    if window is not None:
+        visible &= keys[None, :] > pos - window
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.einsum("nhk,hkd->nhd", torch.softmax(scores, -1), v)
+
+
+def scattered(num_seqs: int, lens: list[int], block_size: int, gen: torch.Generator) -> tuple[list[list[int]], int]:
+    """Block tables from one shuffled pool of blocks (no two sequences share one); the number of blocks."""
+    need = [-(-n // block_size) for n in lens]
+    total = sum(need) + 3
+    order = torch.randperm(total, generator=gen).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(order[at : at + n])
+        at += n
+    return tables, total
+
+
+DECODE_CASES = [  # (group, kv_heads, dim, dtype, kv, window, softcap)
+    (1, 2, 64, torch.float32, None, None, None),
+    (4, 2, 128, torch.float32, None, None, None),
+    (8, 1, 64, torch.bfloat16, None, None, None),
+    (2, 2, 64, torch.float32, None, 40, None),
+    (4, 1, 64, torch.float32, None, None, 30.0),
+    (2, 2, 128, torch.bfloat16, None, 100, 50.0),
+    (4, 2, 64, torch.float32, "int8", None, None),
+    (2, 1, 128, torch.bfloat16, "fp8", None, None),
+    (8, 1, 64, torch.float32, "int8", 33, 20.0),
+]
+
+
+@pytest.mark.parametrize(("group", "kv_heads", "dim", "dtype", "kv", "window", "softcap"), DECODE_CASES)
+def test_decode_matches_float64(group, kv_heads, dim, dtype, kv, window, softcap):
+    gen = torch.Generator().manual_seed(group * 1000 + dim)
+    bs = 16
+    lens = [1, bs - 1, bs, bs + 1, 2 * bs + 7, ta.SPLIT_KEYS + 3, 2 * ta.SPLIT_KEYS + bs]  # block and split edges
+    tables, num_blocks = scattered(len(lens), lens, bs, gen)
+    pool = make_pool(kv_heads, dim, dtype, kv, bs, num_blocks)
+    fill(pool, tables, lens, gen)
+    heads = group * kv_heads
+    num_rows = len(lens) + 2  # the decode rows sit among other rows of the packed step
+    query = torch.randn((num_rows, heads, dim), generator=gen).to(DEVICE, dtype)
+    at = [2, 0, 5, 1, 8, 3, 7]
+    out = torch.full((num_rows, heads, dim), float("nan"), dtype=dtype, device=DEVICE)
+    width = max(len(t) for t in tables)
+    int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    workspace = ta.decode_workspace(len(lens), heads, dim, max(lens), DEVICE)
+    scale = dim**-0.5
+    ta.decode(
+        query, pool.k[0], pool.v[0], out, int32(at), int32([t + [0] * (width - len(t)) for t in tables]), int32(lens),
+        workspace, bs, scale, window, softcap, pool.is_quantized,
+    )  # fmt: skip
+    for row, table, n in zip(at, tables, lens, strict=True):
+        k, v = context(pool, table, n)
+        want = reference(query[row : row + 1].cpu(), k.cpu(), v.cpu(), [n - 1], scale, window, softcap)[0]
+        got = out[row].double().cpu()
+        assert torch.allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype]), (n, (got - want).abs().max().item())
+    untouched = [r for r in range(num_rows) if r not in at]
+    assert torch.isnan(out[untouched]).all()  # rows not named are not written
+
+
+PREFILL_CASES = [  # (group, kv_heads, dim, dtype, kv, window, softcap)
+    (1, 2, 64, torch.float32, None, None, None),
+    (4, 2, 128, torch.float32, None, None, None),
+    (8, 1, 64, torch.bfloat16, None, None, None),
+    (2, 2, 64, torch.float32, None, 20, None),
+    (2, 1, 64, torch.float32, None, None, 25.0),
+    (4, 1, 128, torch.float32, "int8", None, None),
+    (2, 2, 64, torch.bfloat16, "fp8", 24, 30.0),
+]
+
+
+@pytest.mark.parametrize(("group", "kv_heads", "dim", "dtype", "kv", "window", "softcap"), PREFILL_CASES)
+def test_prefill_and_extend_match_float64(group, kv_heads, dim, dtype, kv, window, softcap):
+    """Chunks: a whole prompt (no earlier K/V), a turn's new tokens after cached ones (ending mid-block), a chunk
+    starting inside a block and longer than a program's queries."""
+    gen = torch.Generator().manual_seed(7 * group + dim)
+    bs = 16
+    chunks = [(0, 21), (37, 5), (bs + 3, ta.PREFILL_BLOCK_M + 9)]  # (earlier keys, new tokens)
+    lens = [e + n for e, n in chunks]
+    tables, num_blocks = scattered(len(chunks), lens, bs, gen)
+    pool = make_pool(kv_heads, dim, dtype, kv, bs, num_blocks)
+    fill(pool, tables, lens, gen)
+    heads = group * kv_heads
+    num_tokens = sum(n for _, n in chunks) + 1
+    query = torch.randn((num_tokens, heads, dim), generator=gen).to(DEVICE, dtype)
+    out = torch.full((num_tokens, heads, dim), float("nan"), dtype=dtype, device=DEVICE)
+    starts, at = [], 1  # row 0 is another sequence's
+    for _, n in chunks:
+        starts.append(at)
+        at += n
+    width = max(len(t) for t in tables)
+    int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    scale = dim**-0.5
+    ta.prefill(
+        query, pool.k[0], pool.v[0], out, ta.prefill_tiles([n for _, n in chunks], DEVICE), int32(starts),
+        int32([n for _, n in chunks]), int32(lens), int32([t + [0] * (width - len(t)) for t in tables]), bs, scale,
+        window, softcap, pool.is_quantized,
+    )  # fmt: skip
+    for (earlier, n), start, table, ctx in zip(chunks, starts, tables, lens, strict=True):
+        k, v = context(pool, table, ctx)
+        want = reference(query[start : start + n].cpu(), k.cpu(), v.cpu(), list(range(earlier, ctx)), scale, window,
+                         softcap)  # fmt: skip
+        got = out[start : start + n].double().cpu()
+        assert torch.allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype]), (earlier, n, (got - want).abs().max())
+    assert torch.isnan(out[0]).all()
+
+
+@pytest.mark.parametrize("kv", [None, "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_writes_what_the_pool_writes(kv, dtype):
+    """The kernel's write is the pool's: the same bytes, scales and all (rounding as torch rounds: ties to even);
+    a slot < 0 is skipped."""
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, dim, bs = 2, 64, 4
+    ours, theirs = (make_pool(kv_heads, dim, dtype, kv, bs, 6) for _ in range(2))
+    for pool in (ours, theirs):
+        for t in pool.k + pool.v:
+            t.view(torch.uint8).fill_(0)
+    # [kv_heads, T, D] views with the step's strides ([1, kvH, T, D] from a transposed projection)
+    key = torch.randn((1, 5, kv_heads, dim), generator=gen).to(DEVICE, dtype).transpose(1, 2)[0]
+    value = torch.randn((1, 5, kv_heads, dim), generator=gen).to(DEVICE, dtype).transpose(1, 2)[0]
+    key[1, 2] = 0  # a zero vector: scale 0
+    slots = torch.tensor([9, 3, -1, 22, 0], dtype=torch.long, device=DEVICE)
+    ta.store_kv(ours.k[0], ours.v[0], slots, key, value, ours.is_quantized)
+    kept = slots >= 0
+    theirs.write(0, slots[kept], key[:, kept], value[:, kept])
+    for a, b in ((ours.k[0], theirs.k[0]), (ours.v[0], theirs.v[0])):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_deterministic_split_is_independent_of_the_batch():
+    """A row's output is bit for bit the same alone and among others (the fixed split: deterministic mode)."""
+    gen = torch.Generator().manual_seed(11)
+    bs, dim, kv_heads, group = 16, 64, 2, 2
+    lens = [ta.SPLIT_KEYS * 2 + 5, 40, 300]
+    tables, num_blocks = scattered(3, lens, bs, gen)
+    pool = make_pool(kv_heads, dim, torch.bfloat16, None, bs, num_blocks)
+    fill(pool, tables, lens, gen)
+    query = torch.randn((3, kv_heads * group, dim), generator=gen).to(DEVICE, torch.bfloat16)
+    int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+
+    def run(rows: list[int]) -> torch.Tensor:
+        out = torch.zeros_like(query)
+        space = ta.decode_workspace(len(rows), kv_heads * group, dim, max(lens[r] for r in rows), DEVICE)
+        ta.decode(query, pool.k[0], pool.v[0], out, int32(rows), int32([padded[r] for r in rows]),
+                  int32([lens[r] for r in rows]), space, bs, dim**-0.5)  # fmt: skip
+        return out
+
+    together = run([0, 1, 2])
+    assert torch.equal(run([0])[0], together[0])
+    assert torch.equal(run([2, 0])[0], together[0])
+    assert torch.equal(run([1])[1], together[1])
+
+
+def test_padding_rows_write_nothing_and_read_zero():
+    """A captured graph's padding rows: slot -1 (no write), no keys (output zero)."""
+    pool = make_pool(1, 64, torch.float32, None, 16, 2)
+    query = torch.randn((2, 2, 64)).to(DEVICE)
+    out = torch.full_like(query, float("nan"))
+    int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    space = ta.decode_workspace(2, 2, 64, 1, DEVICE)
+    pool.k[0].zero_(), pool.v[0].zero_()
+    pool.k[0][0, 0] = 1.0
+    pool.v[0][0, 0] = 2.0
+    ta.decode(query, pool.k[0], pool.v[0], out, int32([0, 1]), int32([[0], [0]]), int32([1, 0]), space, 16, 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.allclose(out[0], torch.full_like(out[0], 2.0))
+
+
+def test_quantize_matches_the_kernel_scale_layout():
+    """The kernels read a row's scale as float32 column D/4 of the row's bytes: the pool's layout (pool.py)."""
+    rows = quantize(torch.randn(3, 64), torch.int8)
+    raw = rows.view(torch.uint8).view(torch.float32)
+    assert torch.equal(raw[:, 16], rows.view(torch.uint8)[:, 64:].contiguous().view(torch.float32)[:, 0])
