@@ -228,6 +228,7 @@ class ModelHost:
             compile_dir,
             kv_dtype,
             deterministic,
+            cuda_graphs=s.cuda_graphs,
         )
 
 

@@ -53,6 +53,11 @@ class Settings(BaseSettings):
         "models computing in bf16 or fp16, where rounding can make the cache change answers; false (the default): "
         "the faster kernels, whose rounding depends on the step (its price: docs/benchmarks.md)",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="on a CUDA device with the Triton backend, capture decode steps of 1 to 64 rows (up to "
+        "max_batch_tokens) as CUDA graphs at start (ready once done; the time is logged); false: every step eager",
+    )
     compile: bool = Field(
         False,
         description="compile each CPU model's dense part with torch.compile at start (a minute or two the first "

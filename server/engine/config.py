@@ -16,3 +16,4 @@ class EngineConfig:
     kv_dtype: str = "auto"  # how the pool stores K/V: auto | compute | int8 | fp8 (server/kv/pool.py)
     deterministic: bool = False  # a token's K/V and logits independent of batch, chunks and cache (model_runner)
     attention: str = "auto"  # the attention backend: auto (chosen by the machine) or one of backends.BACKENDS
+    cuda_graphs: bool = True  # capture decode steps as CUDA graphs (CUDA with the Triton backend only)

@@ -48,6 +48,7 @@ class Engine:
             kv_dtype,
             config.deterministic,
             config.attention,
+            config.max_batch_tokens if config.cuda_graphs else 0,
         )
         self.fingerprint = self.runner.fingerprint
         self.token_bytes = self.runner.layout.bytes_per_token

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from server.engine.compiled import WARM_UP_TOKENS, CompiledModel
+from server.engine.decode_graphs import DecodeGraphs, StaticDecode, buckets_for
 from server.engine.scheduler import Row
 from server.kv import kernels, offload
 from server.kv.attention import StepMeta, attention_inputs, install, stepping
@@ -69,10 +70,12 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         deterministic: bool = False,
         attention: str = "auto",
+        graph_rows: int = 0,
     ) -> None:
         """`kv_dtype`: the quantized format the pool stores K/V in (None: the compute dtype); `deterministic`: make
         a token's K/V and logits independent of the step it is computed in (`_deterministic`); `attention`: the
-        backend (auto: `choose_backend`; triton on a CPU only under TRITON_INTERPRET=1, for tests)."""
+        backend (auto: `choose_backend`; triton on a CPU only under TRITON_INTERPRET=1, for tests); `graph_rows`:
+        capture decode steps of up to this many rows as CUDA graphs (CUDA with the Triton backend; 0: none)."""
         self.model = loaded.model
         self.device = loaded.device
         self.layout = KVLayout.of(loaded.model.config, loaded.dtype, kv_dtype)
@@ -122,6 +125,29 @@ class ModelRunner:
             log.info("model %s: not compiled: inductor's kernels are not batch-invariant", loaded.spec.id)
         elif compile_dir is not None:
             self.compiled, self.compile_detail = _compiled(loaded, compile_dir)
+        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=loaded.device)  # steps read no mask
+        self.graphs: DecodeGraphs | None = None
+        self.graphs_detail = "not asked (cuda_graphs false)" if not graph_rows else "CUDA only, with the Triton backend"
+        if graph_rows and loaded.device.type == "cuda" and isinstance(self.backend, TritonBackend):
+            self._capture(loaded, graph_rows)
+
+    def _capture(self, loaded: LoadedModel, max_rows: int) -> None:
+        """Decode steps of each bucket up to `max_rows` rows captured as CUDA graphs (server/engine/decode_graphs.py);
+        a failed capture leaves every step eager, with the reason logged and said in GET /v1/models/{id}."""
+        assert isinstance(self.backend, TritonBackend)
+        self.graphs = static_decode_graphs(self, loaded, buckets_for(max_rows))
+        try:
+            self.graphs.capture()
+        except Exception as exc:
+            log.exception(
+                "model %s: capturing decode steps as CUDA graphs failed; every step runs eager", loaded.spec.id
+            )
+            self.graphs = None
+            self.graphs_detail = "capture failed, every step eager: " + " ".join(f"{type(exc).__name__}: {exc}".split())
+            return
+        sizes = ", ".join(map(str, self.graphs.sizes))
+        self.graphs_detail = f"decode steps of {sizes} rows, captured at start in {self.graphs.stats.capture_s:.2f} s"
+        log.info("model %s: %s", loaded.spec.id, self.graphs_detail)
 
     def _backend(self, loaded: LoadedModel, name: str) -> AttentionBackend:
         """The chosen backend, built: the tiled one times SDPA against its prefill kernel for chunks (not in
@@ -180,13 +206,24 @@ class ModelRunner:
 
     def run(self, rows: list[Row]) -> torch.Tensor:
         """One forward pass over the rows; logits [R, V] for the rows that sample, in row order."""
+        if self.graphs is not None:
+            replayed = self.graphs.run(rows)
+            if replayed is not None:
+                self._count(rows)
+                return replayed
         meta, input_ids, position_ids, sampled_at = self._prepare(rows)
         with torch.inference_mode(), stepping(meta):
             if self.compiled is not None:
                 logits: torch.Tensor = self.compiled(input_ids, position_ids, sampled_at)
             else:
+                # A 4D mask passes through transformers as it is: no mask is built for a step (the paged attention
+                # reads none), and no check of the positions for packed sequences (a device sync each step).
                 out = self.model(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=sampled_at
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    attention_mask=self.no_mask,
+                    use_cache=False,
+                    logits_to_keep=sampled_at,
                 )
                 logits = out.logits[0]
         self._count(rows)
@@ -234,6 +271,29 @@ class ModelRunner:
             else:
                 self.counter.num_prefill_tokens += len(row.token_ids)
         self.counter.num_forwards += 1
+
+
+def static_decode_graphs(runner: ModelRunner, loaded: LoadedModel, sizes: tuple[int, ...]) -> DecodeGraphs:
+    """A static decode step per bucket size over the runner's Triton backend, for rows up to the model's longest
+    context (not captured yet: on a CPU they run eagerly)."""
+    backend = runner.backend
+    assert isinstance(backend, TritonBackend)
+    text = loaded.model.config.get_text_config(decoder=True)
+    layout, bs = runner.layout, runner.pool.block_size
+    statics = [
+        StaticDecode(
+            loaded.model,
+            backend,
+            size,
+            -(-loaded.max_context // bs),
+            loaded.max_context,
+            int(text.num_attention_heads),
+            layout.head_dim,
+            loaded.device,
+        )
+        for size in sizes
+    ]
+    return DecodeGraphs(statics, runner.pool.slot_ids)
 
 
 def triton_available() -> bool:

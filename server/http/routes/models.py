@@ -47,6 +47,7 @@ def model_object(host: ModelHost, model_id: str) -> dict:
         "attention": _attention(engine) if engine else None,
         "compiled": engine.runner.compiled is not None if engine else None,  # what really runs its steps
         "compile_detail": engine.runner.compile_detail if engine else None,
+        "cuda_graphs": engine.runner.graphs_detail if engine else None,
         **_fingerprint(host, model_id),
     }
 

@@ -1,0 +1,164 @@
+"""Decode steps replayed as CUDA graphs: a step of only decode rows costs one launch instead of hundreds.
+
+At start the runner captures one graph per batch size bucket (BUCKETS up to the step's token budget), each a
+forward pass of `size` decode rows over static tensors: ids, positions, slots, block tables, context lengths,
+the sampled rows, and the Triton backend's split workspace, sized for the model's longest context. A step of
+n decode rows (n at most the largest bucket) runs the smallest bucket >= n: its tensors are filled (the
+padding rows write no K/V, slot -1, and read no keys, length 0), the graph replayed, the first n rows of its
+logits returned. Steps with a prefill chunk run eagerly, as before.
+
+Everything but the capture itself is plain tensor work: `StaticDecode` runs eagerly on a CPU (the Triton
+kernels in triton's interpreter) so its filling and padding are tested there against the eager path; on
+CUDA `DecodeGraphs.capture` records each bucket's forward into a graph after one eager warm-up (Triton
+compiles its kernels on first use, which a capture must not do).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from server.engine.scheduler import Row
+from server.kv.attention import DecodeRows, StepMeta, stepping
+from server.kv.backends import TritonBackend, TritonLaunch
+
+log = logging.getLogger("kvserve.engine")
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows a captured step holds
+
+
+def buckets_for(max_rows: int) -> tuple[int, ...]:
+    """The bucket sizes a runner whose steps hold at most `max_rows` tokens captures."""
+    return tuple(b for b in BUCKETS if b <= max_rows) or (1,)
+
+
+def bucket_of(num_rows: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding this many rows (None: more rows than the largest)."""
+    return next((b for b in sizes if b >= num_rows), None)
+
+
+@dataclass(slots=True)
+class GraphStats:
+    num_replays: int = 0  # decode steps served by a graph (or, on a CPU, by the static step)
+    num_eager: int = 0  # decode-only steps that did not fit one (more rows, or a longer table)
+    capture_s: float = 0.0
+
+
+class StaticDecode:
+    """One bucket's step over static tensors (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: TritonBackend,
+        size: int,
+        max_blocks: int,
+        max_keys: int,
+        num_heads: int,
+        head_dim: int,
+        device: torch.device,
+    ) -> None:
+        self.model, self.size, self.max_blocks = model, size, max_blocks
+        long, int32 = torch.long, torch.int32
+        self.input_ids = torch.zeros((1, size), dtype=long, device=device)
+        self.position_ids = torch.zeros((1, size), dtype=long, device=device)
+        self.slots = torch.full((size,), -1, dtype=long, device=device)
+        self.tables = torch.zeros((size, max_blocks), dtype=int32, device=device)
+        self.lens = torch.zeros((size,), dtype=int32, device=device)
+        self.sampled_at = torch.arange(size, dtype=long, device=device)
+        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)  # steps read no mask
+        rows = torch.arange(size, dtype=int32, device=device)
+        workspace = backend.kernels.decode_workspace(size, num_heads, head_dim, max_keys, device)
+        decode = DecodeRows(rows, self.tables, self.lens)
+        self.meta = StepMeta(backend.pool, self.slots, [], decode=decode, backend=backend)
+        self.meta.launch = TritonLaunch(max_keys=max_keys, workspace=workspace)
+        self.logits: torch.Tensor | None = None
+
+    def fits(self, rows: list[Row]) -> bool:
+        return len(rows) <= self.size and all(len(r.seq.blocks) <= self.max_blocks for r in rows)
+
+    def load(self, rows: list[Row], slot_ids: Callable[[list[int], int, int], list[int]]) -> None:
+        """These decode rows into the static tensors; the rest are padding (no K/V written, no keys read)."""
+        n, pad = len(rows), self.size - len(rows)
+        ids, positions, slots, lens, tables = [], [], [], [], []
+        for row in rows:
+            position = row.seq.num_computed
+            table = [b.block_id for b in row.seq.blocks]
+            ids.append(row.token_ids[0])
+            positions.append(position)
+            slots += slot_ids(table, position, position + 1)
+            lens.append(position + 1)
+            tables.append(table + [0] * (self.max_blocks - len(table)))
+        self.input_ids.copy_(torch.tensor([ids + [0] * pad]), non_blocking=True)
+        self.position_ids.copy_(torch.tensor([positions + [0] * pad]), non_blocking=True)
+        self.slots.copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
+        self.lens.copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32), non_blocking=True)
+        self.tables[:n].copy_(torch.tensor(tables, dtype=torch.int32).view(n, self.max_blocks), non_blocking=True)
+        self.tables[n:].zero_()
+
+    def forward(self) -> None:
+        """The step over the static tensors; its logits [size, V] land in `self.logits` (the same tensor on every
+        replay of a captured graph)."""
+        with torch.inference_mode(), stepping(self.meta):
+            out = self.model(
+                input_ids=self.input_ids,
+                position_ids=self.position_ids,
+                attention_mask=self.no_mask,
+                use_cache=False,
+                logits_to_keep=self.sampled_at,
+            )
+        self.logits = out.logits[0]
+
+
+class DecodeGraphs:
+    """The runner's captured decode steps: `run` serves a step of decode rows from the bucket that holds it."""
+
+    def __init__(self, statics: list[StaticDecode], slot_ids: Callable[[list[int], int, int], list[int]]) -> None:
+        self.statics = sorted(statics, key=lambda s: s.size)
+        self.sizes = tuple(s.size for s in self.statics)
+        self.slot_ids = slot_ids
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.stats = GraphStats()
+
+    def capture(self) -> None:
+        """Each bucket's forward recorded into a CUDA graph (largest first, all in one memory pool), after a warm-up
+        that compiles the kernels. The padding-only warm-up writes nothing to the pool."""
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for static in reversed(self.statics):
+                static.forward()  # the warm-up: Triton compiles here, never under capture
+        torch.cuda.current_stream().wait_stream(side)
+        for static in reversed(self.statics):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                static.forward()
+            self.graphs[static.size] = graph
+        torch.cuda.synchronize()
+        self.stats.capture_s = time.perf_counter() - start
+
+    def run(self, rows: list[Row]) -> torch.Tensor | None:
+        """Logits [n, V] of a step of n decode rows, from its bucket; None when the step is not one (a prefill
+        chunk, more rows than the largest bucket, a table longer than the graphs'): it runs eagerly."""
+        if not all(len(r.token_ids) == 1 and r.is_sampled and r.seq.num_computed > 0 for r in rows):
+            return None
+        size = bucket_of(len(rows), self.sizes)
+        static = None if size is None else self.statics[self.sizes.index(size)]
+        if static is None or not static.fits(rows):
+            self.stats.num_eager += 1
+            return None
+        static.load(rows, self.slot_ids)
+        graph = self.graphs.get(static.size)
+        if graph is not None:
+            graph.replay()
+        else:  # not captured (a CPU): the same step, eagerly
+            static.forward()
+        self.stats.num_replays += 1
+        assert static.logits is not None
+        return static.logits[: len(rows)].clone()  # the next replay writes over the graph's own

@@ -1,0 +1,120 @@
+"""Decode steps over static tensors (server/engine/decode_graphs.py): what a CUDA graph replays, run eagerly here
+(the Triton kernels in triton's interpreter). The capture itself needs CUDA: tests/engine/test_cuda.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from server.engine.decode_graphs import BUCKETS, bucket_of, buckets_for
+from server.engine.model_runner import static_decode_graphs
+from server.engine.scheduler import Row
+from server.models.loader import load_model
+from tests.helpers import make_engine, reference_greedy, run
+
+
+@pytest.fixture(scope="module")
+def tiny32(tiny_spec):
+    return load_model(dataclasses.replace(tiny_spec, dtype="float32", max_context=256), Path("unused"))
+
+
+def words(loaded, text: str) -> list[int]:
+    return loaded.tokenizer(text)["input_ids"]
+
+
+def test_buckets():
+    assert buckets_for(256) == BUCKETS
+    assert buckets_for(12) == (1, 2, 4, 8)
+    assert buckets_for(0) == (1,)
+    assert [bucket_of(n, (1, 2, 4, 8)) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
+
+
+async def test_decode_steps_from_static_tensors_answer_as_eager_steps(tiny32):
+    """Three conversations decoding at once take the 4-row bucket (one padding row), a lone one the 1-row bucket;
+    more rows than the largest bucket, and prefill steps, run eagerly; every answer is HF's."""
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
+    runner = engine.runner
+    assert runner.graphs is None  # a CPU: nothing captured
+    assert runner.graphs_detail == "CUDA only, with the Triton backend"
+    graphs = static_decode_graphs(runner, tiny32, (1, 4))
+    assert [s.max_blocks for s in graphs.statics] == [64, 64]  # 256 keys in blocks of 4
+    used: list[int] = []
+    load = graphs.statics[1].load
+
+    def spy(rows, slot_ids):
+        used.append(len(rows))
+        load(rows, slot_ids)
+
+    graphs.statics[1].load = spy  # type: ignore[method-assign]
+    runner.graphs = graphs
+    try:
+        prompts = [words(tiny32, t) for t in ("The quick brown fox", "Paris is the capital", "Hello world, hello")]
+        results = await asyncio.gather(
+            *(run(engine, p, rid=f"r{i}", max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts))
+        )
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.token_ids == reference_greedy(tiny32.model, prompt, 6)
+        assert 3 in used  # three rows in the 4-row bucket
+        lone = await run(engine, prompts[0], session="s", max_tokens=5, ignore_eos=True)
+        follow = prompts[0] + lone.token_ids + words(tiny32, " jumps")
+        second = await run(engine, follow, session="s", max_tokens=5, ignore_eos=True)
+        assert second.token_ids == reference_greedy(tiny32.model, follow, 5)
+        replays = graphs.stats.num_replays
+        five = [words(tiny32, f"Numbers {i} and symbols") for i in range(5)]
+        await asyncio.gather(*(run(engine, p, rid=f"f{i}", max_tokens=3, ignore_eos=True) for i, p in enumerate(five)))
+    finally:
+        engine.stop()
+    assert replays >= 5 + 4 + 4  # the decode steps above (a turn's first token comes from its prefill)
+    assert graphs.stats.num_eager > 0  # five rows: more than the largest bucket
+
+
+def test_a_padded_step_writes_its_rows_slots_only_and_answers_as_the_eager_step(tiny32):
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
+    engine.stop()
+    runner = engine.runner
+    graphs = static_decode_graphs(runner, tiny32, (4,))
+    generator = torch.Generator().manual_seed(0)
+    for t in runner.pool.k + runner.pool.v:
+        t.copy_(torch.randn(t.shape, generator=generator))
+    before = [t.clone() for t in runner.pool.k + runner.pool.v]
+    blocks = [SimpleNamespace(block_id=5), SimpleNamespace(block_id=9)]
+    seq = SimpleNamespace(blocks=blocks, num_computed=6, is_prefilled=True)
+    row = Row(seq, [17], True)  # type: ignore[arg-type]
+    logits = graphs.run([row])
+    static = graphs.statics[0]
+    assert static.slots.tolist() == [9 * 4 + 2, -1, -1, -1]  # position 6: block 9, offset 2
+    assert static.lens.tolist() == [7, 0, 0, 0]
+    for t, b in zip(runner.pool.k + runner.pool.v, before, strict=True):
+        assert (t != b).any(-1).any(0).nonzero().flatten().tolist() == [38]  # that slot, nothing else
+    after = [t.clone() for t in runner.pool.k + runner.pool.v]
+    for t, b in zip(runner.pool.k + runner.pool.v, before, strict=True):
+        t.copy_(b)
+    runner.graphs = None
+    eager = runner.run([row])
+    # the same K/V written (up to the linear layers' rounding at 1 row against 4)
+    assert all(torch.allclose(t, a, atol=1e-5) for t, a in zip(runner.pool.k + runner.pool.v, after, strict=True))
+    assert logits is not None
+    assert logits.shape == eager.shape == (1, tiny32.vocab_size)
+    assert torch.allclose(logits, eager, atol=1e-4)
+
+
+def test_a_row_longer_than_the_graphs_tables_runs_eagerly(tiny32):
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
+    engine.stop()
+    graphs = static_decode_graphs(engine.runner, tiny32, (2,))
+    static = graphs.statics[0]
+
+    class Seq:
+        blocks = [None] * (static.max_blocks + 1)
+        num_computed = 5
+
+    class Row:
+        seq, token_ids, is_sampled = Seq(), [3], True
+
+    assert graphs.run([Row()]) is None
+    assert graphs.stats.num_eager == 1
