@@ -13,15 +13,15 @@ and any later one, finds them like computed blocks.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from functools import cached_property
-
-import torch
 
 from server.kv.block_store import WriteJob, addresses
 from server.kv.blocks import BlockManager
 from server.kv.pool import KVLayout, KVPool
 from server.kv.snapshot import Snapshot
 from server.kv.tiers import TierStore
+from server.kv.transfers import transfers_for
 from server.sessions.record import SessionKey
 from server.sessions.store import SessionStore
 
@@ -29,18 +29,14 @@ log = logging.getLogger("kvserve.engine")
 MAX_PENDING_BYTES = 1 << 30  # at shutdown, snapshots waiting for the disk writer
 
 
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type != "cuda":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
-
-
 def restore(pool: KVPool, block_ids: list[int], snapshot: Snapshot, first: int, num_tokens: int) -> None:
     """Write the snapshot's tokens `first`..`num_tokens`-1 into these blocks (the first of them holds token
-    `first`, a block boundary)."""
-    snapshot.wait()
+    `first`, a block boundary). A snapshot already copied to the device (`upload`): the compute stream waits for
+    that copy, the engine thread does not."""
+    if snapshot.uploaded is not None:
+        transfers_for(pool.device).use_on_compute(snapshot.uploaded, snapshot.k + snapshot.v)
+    else:
+        snapshot.wait()
     slots = pool.slots(block_ids, num_tokens - first)
     k, v = [k[:, first:num_tokens] for k in snapshot.k], [v[:, first:num_tokens] for v in snapshot.v]
     pool.scatter(slots, k, v, snapshot.layout)  # converted to the pool's format where a tier keeps fewer bits
@@ -82,11 +78,8 @@ class Offloader:
             return None
         layout = self.layouts["host"]
         k, v = self.pool.gather(self.pool.slots([b.block_id for b in blocks], num_tokens), layout)
-        ready = None
-        if self.pool.device.type == "cuda":
-            k, v = [_to_host(t) for t in k], [_to_host(t) for t in v]
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record()
+        hosts, ready = transfers_for(self.pool.device).to_host(k + v)  # on CUDA: pinned, on the side stream
+        k, v = hosts[: len(k)], hosts[len(k) :]
         ids = list(token_ids[:num_tokens])
         return Snapshot(key, self.model_id, layout, self.digests, ids, k, v, ready=ready)
 
@@ -166,10 +159,22 @@ class Offloader:
         """On the loader thread: the session's snapshot in host RAM, else the leading blocks of its prompt that
         the block store holds (disk, then Redis; checked)."""
         snapshot = self.tiers.fetch(key, self.model_id, self.digests, self.pool.layout)
-        if snapshot is not None:
+        if snapshot is None:
+            usable = prompt_ids[: len(prompt_ids) - 1]  # the last prompt token is always computed, for its logits
+            snapshot = self.tiers.read(key, usable, self.model_id, self.digests, self.pool.layout)
+        return None if snapshot is None else self.upload(snapshot)
+
+    def upload(self, snapshot: Snapshot) -> Snapshot:
+        """On the loader thread, for a CUDA pool: a copy of the snapshot on the device, made on the side stream
+        through pinned memory, for the restore to use without waiting (the tier's own snapshot is left as it is).
+        Without CUDA the snapshot itself."""
+        transfers = transfers_for(self.pool.device)
+        if transfers.ops is None:
             return snapshot
-        usable = prompt_ids[: len(prompt_ids) - 1]  # the last prompt token is always computed, for its logits
-        return self.tiers.read(key, usable, self.model_id, self.digests, self.pool.layout)
+        snapshot.wait()  # a copy down to the host still on its way
+        tensors, staged, event = transfers.to_device(snapshot.k + snapshot.v)
+        n = len(snapshot.k)
+        return replace(snapshot, k=tensors[:n], v=tensors[n:], ready=None, uploaded=event, staged=staged)
 
     def save(self, key: SessionKey, token_ids: list[int]) -> bool:
         """Best effort: a session whose copy fails (e.g. out of memory) just recomputes later."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from safetensors.torch import load as load_tensors
@@ -42,6 +43,10 @@ class Snapshot:
     v: list[torch.Tensor]
     ready: torch.cuda.Event | None = None  # set while an asynchronous copy to host is in flight
     origin: str = "host"  # the tier it was read from: host | disk | shared
+    # A copy made for a restore on CUDA (server/kv/transfers.py): k and v are device tensors, copied on the side
+    # stream from `staged` (pinned host tensors) and usable by the compute stream once it waits for this event.
+    uploaded: Any = None
+    staged: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
