@@ -35,7 +35,39 @@ def test_every_imported_package_is_a_declared_dependency():
     third_party = imported - set(sys.stdlib_module_names) - {"server", "__future__", "tomllib", "tomli"}
     distributions = packages_distributions()
     missing = sorted(m for m in third_party if not names & {normalized(d) for d in distributions.get(m, [m])})
+    missing = [m for m in missing if m not in optional_and_lazy()]
     assert not missing, f"imported by server/ but not declared in pyproject.toml: {missing}"
+
+
+def optional_and_lazy() -> set[str]:
+    """Packages of an optional extra (dev aside: the tests' tools) imported only by server modules that no server
+    module imports at its top level (so a plain install runs without them: triton, the GPU's kernels)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    optional = {
+        normalized(re.split(r"[ <>=!~;\[]", s, maxsplit=1)[0]) for k, v in extras.items() if k != "dev" for s in v
+    }
+    top_level: dict[str, set[str]] = {}  # module -> what it imports at its top level
+    for path in (ROOT / "server").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        names = top_level.setdefault(name, set())
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    lazy = set()
+    for package in optional:
+        importers = {m for m, names in top_level.items() if any(n.split(".")[0] == package for n in names)}
+        if importers and not any(importers & names for names in top_level.values()):
+            lazy.add(package)
+    return lazy
+
+
+def test_an_optional_package_is_imported_lazily():
+    """triton (the `triton` extra) is imported by server/kv/triton_attention.py alone, which no module imports at
+    its top level: the Triton backend imports it when it is built."""
+    assert optional_and_lazy() == {"triton"}
 
 
 def test_lint_checks_the_lowest_python_claimed():

@@ -53,6 +53,41 @@ def test_batched_engine_matches_generate_on_cuda(tiny_cuda):
     asyncio.run(body())
 
 
+def test_the_engine_attends_by_triton_and_replays_captured_decode_steps(tiny_cuda):
+    async def body() -> None:
+        engine = make_engine(tiny_cuda, budget_bytes=64 << 20)
+        runner = engine.runner
+        try:
+            assert runner.backend.name == "triton"
+            assert runner.graphs is not None, runner.graphs_detail
+            assert runner.graphs_detail.startswith("decode steps of 1, 2, 4, 8, 16, 32, 64 rows, captured at start")
+            prompts = [tiny_cuda.tokenizer(t)["input_ids"] for t in ("The quick", "Paris is the", "Hello world")]
+            results = await asyncio.gather(
+                *(run(engine, p, rid=f"r{i}", max_tokens=8, ignore_eos=True) for i, p in enumerate(prompts))
+            )
+            for prompt, result in zip(prompts, results, strict=True):
+                assert result.token_ids == reference_greedy(tiny_cuda.model, prompt, 8)
+            assert runner.graphs.stats.num_replays >= 7  # the decode steps after the prompts' prefill
+        finally:
+            engine.stop()
+
+    asyncio.run(body())
+
+
+def test_deterministic_mode_on_cuda_is_on_through_the_triton_split_or_says_why(tiny_cuda):
+    engine = make_engine(tiny_cuda, budget_bytes=64 << 20, deterministic=True)
+    engine.stop()
+    runner = engine.runner
+    print("deterministic mode on CUDA:", runner.deterministic_detail)  # the GPU check's log reports it
+    if runner.deterministic:
+        assert runner.backend.every_token
+        assert runner.deterministic_detail.startswith("on: attention by the triton backend, linear products")
+    else:
+        assert runner.deterministic_detail == (
+            "unavailable: its linear layers are not batch-invariant on cuda in torch.float32"
+        )
+
+
 def test_a_session_comes_back_from_pinned_host_memory(tiny_cuda, tmp_path):
     async def body() -> None:
         tiers = TierStore(1 << 30, 0, None, block_size=4)
