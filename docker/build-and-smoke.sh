@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Build the CPU variant of the image with Podman and smoke-test a running container.
+# Build a variant of the image with Podman and smoke-test a running container on this machine's CPU.
+#   docker/build-and-smoke.sh                 the CPU variant (BASE=cpu, torch from a local wheelhouse)
+#   TARGET=cuda docker/build-and-smoke.sh     the Dockerfile's default, GPU variant (torch's CUDA build
+#                                             from PyPI, several GB); it runs here on the CPU
 # Follows ../shared/CONTAINERS.md: a debootstrap base (no registry), engine config in a scratch
-# containers.conf (nothing written under /etc), torch from a local wheelhouse.
-# Checks: /ready, the warning about running without API keys, a streamed chat turn on a session, a second turn reporting cached tokens,
+# containers.conf (nothing written under /etc).
+# Checks (the GPU variant first: a CUDA build of torch, triton, a C compiler and the Python headers): /ready,
+# the warning about running without API keys, a streamed chat turn on a session, a second turn reporting cached tokens,
 # the HEALTHCHECK, a non-root process, `podman stop` ending it with exit code 0, and after a restart on
 # the same volume the session listed with its turns and its next turn's K/V restored from disk.
 # Exits non-zero on any failure; removes the container and volumes it started.
@@ -10,7 +14,9 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 SCRATCH="$ROOT/docker/.build"
-IMAGE=${IMAGE:-localhost/kvserve:cpu-smoke}
+TARGET=${TARGET:-cpu}
+case "$TARGET" in cpu | cuda) ;; *) echo "TARGET must be cpu or cuda, not '$TARGET'" >&2; exit 2 ;; esac
+IMAGE=${IMAGE:-localhost/kvserve:$TARGET-smoke}
 NAME=kvserve-smoke-$$
 PORT=${PORT:-18000}
 STOP_TIMEOUT=${STOP_TIMEOUT:-30}  # above KVSERVE_SHUTDOWN_GRACE_S (10 s by default)
@@ -31,8 +37,26 @@ trap cleanup EXIT
 source "$ROOT/docker/podman-lib.sh"
 podman_setup
 podman_base
-podman_build_kvserve "$IMAGE"
+podman_build_kvserve "$IMAGE" "$TARGET"
 size=$(podman image inspect "$IMAGE" --format '{{.Size}}')
+
+if [ "$TARGET" = cuda ]; then
+    step "GPU variant: torch's CUDA build, triton, a C compiler and Python headers (for Triton's launcher)"
+    podman run --rm --entrypoint python3 "$IMAGE" -c '
+import os, shutil, subprocess, sysconfig
+import torch, triton
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
+      "triton", triton.__version__, "cuda available:", torch.cuda.is_available())
+assert torch.version.cuda, "torch is not a CUDA build"
+cc = shutil.which("gcc") or shutil.which("cc")
+assert cc, "no C compiler"
+src = "#include <Python.h>\nint main(void) { return Py_IsInitialized(); }\n"
+subprocess.run([cc, "-fsyntax-only", "-x", "c", "-I" + sysconfig.get_paths()["include"], "-"], input=src.encode(), check=True)
+print("C compiler", cc, "compiles against", sysconfig.get_paths()["include"] + "/Python.h")
+for k in ("NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR"):
+    print(k + "=" + os.environ.get(k, ""))
+    assert os.environ.get(k), k + " not set"' || fail "the GPU variant lacks what it needs"
+fi
 
 step "run with the port published on 127.0.0.1:$PORT"
 podman run -d --init --name "$NAME" -p "127.0.0.1:$PORT:8000" --stop-timeout "$STOP_TIMEOUT" \
@@ -122,4 +146,4 @@ podman stop "$NAME" >/dev/null
 exit_code=$(podman inspect "$NAME" --format '{{.State.ExitCode}}')
 [ "$exit_code" = 0 ] || fail "exit code $exit_code after the second SIGTERM"
 
-step "SMOKE PASSED (image $((size / 1000000)) MB)"
+step "SMOKE PASSED ($TARGET image $((size / 1000000)) MB)"

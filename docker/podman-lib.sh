@@ -1,6 +1,6 @@
 # Podman on this kind of machine (../shared/CONTAINERS.md), for docker/build-and-smoke.sh and
 # docker/scale-smoke.sh: host tools, an engine config outside /etc, a debootstrap base image (no
-# registry), and the CPU kvserve image with torch from a local wheelhouse.
+# registry), and the kvserve image: CPU with torch from a local wheelhouse, or the default (CUDA) one.
 # Expects ROOT, SCRATCH, PY and the functions step and fail; exports CONTAINERS_CONF.
 
 BASE_TAG=docker.io/library/debian:bookworm-slim
@@ -39,13 +39,18 @@ podman_base() {
     fi
 }
 
-podman_build_kvserve() {  # $1: the image tag
-    step "wheelhouse: this machine's CPU torch wheel"
-    find "$ROOT/docker/wheelhouse" -name '*.whl' -delete
-    "$PY" -m pip download --quiet --no-deps --only-binary :all: torch==2.13.0 -d "$ROOT/docker/wheelhouse"
-    ls -1 "$ROOT/docker/wheelhouse"/*.whl
+podman_build_kvserve() {  # $1: the image tag; $2: the variant, cpu (default) or cuda (the Dockerfile's default)
+    variant=${2:-cpu}
+    if [ "$variant" = cpu ]; then
+        step "wheelhouse: this machine's CPU torch wheel"
+        find "$ROOT/docker/wheelhouse" -name '*.whl' -delete
+        "$PY" -m pip download --quiet --no-deps --only-binary :all: torch==2.13.0 -d "$ROOT/docker/wheelhouse"
+        ls -1 "$ROOT/docker/wheelhouse"/*.whl
+    fi
+    # cuda: torch and its nvidia-* wheels come from PyPI (several GB); the wheelhouse is not used.
 
-    step "podman build (BASE=cpu)"
-    podman build --format docker --build-arg BASE=cpu -t "$1" "$ROOT"
-    echo "image $1: $(($(podman image inspect "$1" --format '{{.Size}}') / 1000000)) MB"
+    step "podman build (BASE=$variant)"
+    build_start=$(date +%s)
+    podman build --format docker --build-arg BASE="$variant" -t "$1" "$ROOT"
+    echo "image $1: $(($(podman image inspect "$1" --format '{{.Size}}') / 1000000)) MB, built in $(($(date +%s) - build_start)) s"
 }
