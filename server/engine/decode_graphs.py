@@ -2,8 +2,9 @@
 
 At start the runner captures one graph per batch size bucket (BUCKETS up to the step's token budget), each a
 forward pass of `size` decode rows over static tensors: ids, positions, slots, block tables, context lengths,
-the sampled rows, and the Triton backend's split workspace, sized for the model's longest context. A step of
-n decode rows (n at most the largest bucket) runs the smallest bucket >= n: its tensors are filled (the
+the sampled rows, and the Triton backend's split workspace, sized for rows of up to GRAPH_MAX_KEYS keys (or the
+model's longest context, if shorter). A step of n decode rows (n at most the largest bucket, none longer) runs
+the smallest bucket >= n: its tensors are filled (the
 padding rows write no K/V, slot -1, and read no keys, length 0), the graph replayed, the first n rows of its
 logits returned. Steps with a prefill chunk run eagerly, as before.
 
@@ -29,6 +30,9 @@ from server.kv.backends import TritonBackend, TritonLaunch
 log = logging.getLogger("kvserve.engine")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows a captured step holds
+# Keys a captured step's rows may have (longer rows run eagerly): the split workspace and the tables are sized for
+# it, per bucket (64 rows of 32 heads of 128 dims: 64 splits of 256 keys, 64 MB), whatever the model's context.
+GRAPH_MAX_KEYS = 16384
 
 
 def buckets_for(max_rows: int) -> tuple[int, ...]:
@@ -62,7 +66,7 @@ class StaticDecode:
         head_dim: int,
         device: torch.device,
     ) -> None:
-        self.model, self.size, self.max_blocks = model, size, max_blocks
+        self.model, self.size, self.max_blocks, self.max_keys = model, size, max_blocks, max_keys
         long, int32 = torch.long, torch.int32
         self.input_ids = torch.zeros((1, size), dtype=long, device=device)
         self.position_ids = torch.zeros((1, size), dtype=long, device=device)
@@ -79,7 +83,9 @@ class StaticDecode:
         self.logits: torch.Tensor | None = None
 
     def fits(self, rows: list[Row]) -> bool:
-        return len(rows) <= self.size and all(len(r.seq.blocks) <= self.max_blocks for r in rows)
+        return len(rows) <= self.size and all(
+            len(r.seq.blocks) <= self.max_blocks and r.seq.num_computed < self.max_keys for r in rows
+        )
 
     def load(self, rows: list[Row], slot_ids: Callable[[list[int], int, int], list[int]]) -> None:
         """These decode rows into the static tensors; the rest are padding (no K/V written, no keys read)."""
@@ -137,7 +143,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         for static in reversed(self.statics):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other engines may load
                 static.forward()
             self.graphs[static.size] = graph
         torch.cuda.synchronize()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from server.engine.compiled import WARM_UP_TOKENS, CompiledModel
-from server.engine.decode_graphs import DecodeGraphs, StaticDecode, buckets_for
+from server.engine.decode_graphs import GRAPH_MAX_KEYS, DecodeGraphs, StaticDecode, buckets_for
 from server.engine.scheduler import Row
 from server.kv import kernels, offload
 from server.kv.attention import StepMeta, attention_inputs, install, stepping
@@ -274,19 +274,20 @@ class ModelRunner:
 
 
 def static_decode_graphs(runner: ModelRunner, loaded: LoadedModel, sizes: tuple[int, ...]) -> DecodeGraphs:
-    """A static decode step per bucket size over the runner's Triton backend, for rows up to the model's longest
-    context (not captured yet: on a CPU they run eagerly)."""
+    """A static decode step per bucket size over the runner's Triton backend, for rows of up to GRAPH_MAX_KEYS keys
+    or the model's longest context (not captured yet: on a CPU they run eagerly)."""
     backend = runner.backend
     assert isinstance(backend, TritonBackend)
     text = loaded.model.config.get_text_config(decoder=True)
     layout, bs = runner.layout, runner.pool.block_size
+    max_keys = min(loaded.max_context, GRAPH_MAX_KEYS)
     statics = [
         StaticDecode(
             loaded.model,
             backend,
             size,
-            -(-loaded.max_context // bs),
-            loaded.max_context,
+            -(-max_keys // bs),
+            max_keys,
             int(text.num_attention_heads),
             layout.head_dim,
             loaded.device,

@@ -146,9 +146,9 @@ def _load_rows(
     stride_scale_s,
     D: tl.constexpr,
     QUANT: tl.constexpr,
-    OUT_TY: tl.constexpr,
+    like,
 ):
-    """[BLOCK_N, BLOCK_D] rows of these slots (masked ones 0), dequantized for an 8-bit pool, in OUT_TY."""
+    """[BLOCK_N, BLOCK_D] rows of these slots (masked ones 0), dequantized for an 8-bit pool, in `like`'s dtype."""
     rows = tl.load(
         pool + h * stride_pool_h + slots[:, None] * stride_pool_s + d[None, :],
         mask=valid[:, None] & dmask[None, :],
@@ -156,8 +156,8 @@ def _load_rows(
     )
     if QUANT:
         scale = tl.load(scales + h * stride_scale_h + slots * stride_scale_s + D // 4, mask=valid, other=0.0)
-        return (rows.to(tl.float32) * scale[:, None]).to(OUT_TY)
-    return rows.to(OUT_TY)
+        return (rows.to(tl.float32) * scale[:, None]).to(like.dtype)
+    return rows.to(like.dtype)
 
 
 @triton.jit
@@ -243,7 +243,7 @@ def _decode_split_kernel(
             stride_scale_s,
             D,
             QUANT,
-            q.dtype,
+            q,
         )
         if DOT_F32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
@@ -271,7 +271,7 @@ def _decode_split_kernel(
             stride_scale_s,
             D,
             QUANT,
-            q.dtype,
+            q,
         )
         if DOT_F32:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -406,7 +406,7 @@ def _prefill_kernel(
             stride_scale_s,
             D,
             QUANT,
-            q.dtype,
+            q,
         )
         if DOT_F32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
@@ -437,7 +437,7 @@ def _prefill_kernel(
             stride_scale_s,
             D,
             QUANT,
-            q.dtype,
+            q,
         )
         if DOT_F32:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")

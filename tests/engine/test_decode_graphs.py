@@ -103,18 +103,19 @@ def test_a_padded_step_writes_its_rows_slots_only_and_answers_as_the_eager_step(
     assert torch.allclose(logits, eager, atol=1e-4)
 
 
-def test_a_row_longer_than_the_graphs_tables_runs_eagerly(tiny32):
+def test_a_row_longer_than_the_graphs_hold_runs_eagerly(tiny32):
     engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
     engine.stop()
     graphs = static_decode_graphs(engine.runner, tiny32, (2,))
     static = graphs.statics[0]
+    assert (static.max_keys, static.max_blocks) == (256, 64)  # the model's context (under GRAPH_MAX_KEYS)
 
-    class Seq:
-        blocks = [None] * (static.max_blocks + 1)
-        num_computed = 5
+    def row(num_blocks: int, position: int) -> Row:
+        seq = SimpleNamespace(blocks=[SimpleNamespace(block_id=0)] * num_blocks, num_computed=position)
+        return Row(seq, [3], True)  # type: ignore[arg-type]
 
-    class Row:
-        seq, token_ids, is_sampled = Seq(), [3], True
-
-    assert graphs.run([Row()]) is None
-    assert graphs.stats.num_eager == 1
+    assert graphs.run([row(65, 5)]) is None  # more blocks than the static tables hold
+    assert graphs.run([row(64, 256)]) is None  # its 257th key: more than the workspace's splits hold
+    assert graphs.stats.num_eager == 2
+    assert graphs.run([row(2, 5)]) is not None
+    assert graphs.stats.num_replays == 1
