@@ -140,9 +140,11 @@ class Offloader:
             if not new:
                 return
             k, v = self.pool.gather(self.pool.slots([blocks[i].block_id for i in new], len(new) * bs), layout)
-            if self.pool.device.type == "cuda":
-                k, v = [t.cpu() for t in k], [t.cpu() for t in v]
-            shared.put(WriteJob([names[i] for i in new], k, v, bs))  # block j of the job: tokens j*bs ..
+            hosts, event = transfers_for(self.pool.device).to_host(k + v)  # on CUDA: the side stream, pinned
+            job = WriteJob([names[i] for i in new], hosts[: len(k)], hosts[len(k) :], bs)  # block j: tokens j*bs ..
+            if event is not None:
+                job.ready = event.synchronize  # the writer thread waits for the copy, not the engine
+            shared.put(job)
         except Exception:
             log.exception("sharing the K/V of session %s failed; other replicas recompute it", key.name)
 

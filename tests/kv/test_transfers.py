@@ -4,6 +4,7 @@ checked with a recording stand-in for CUDA's, and a session's K/V down to host R
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -11,9 +12,21 @@ import torch
 from server.kv.tiers import TierStore
 from server.kv.transfers import Transfers, transfers_for, using
 from server.sessions.record import SessionKey
-from tests.helpers import make_engine, reference_greedy, run
+from tests.helpers import make_engine, reference_greedy, run, tiers_below, wait_until_async
 
 CPU = torch.device("cpu")
+
+
+class Event(str):
+    """A side-stream event: its name, and a wait that logs which thread waited."""
+
+    def __new__(cls, log: list[str]) -> Event:
+        event = super().__new__(cls, "event-1")
+        event.log = log
+        return event
+
+    def synchronize(self) -> None:
+        self.log.append(f"waited on {threading.current_thread().name}")
 
 
 class Recording:
@@ -50,7 +63,7 @@ class Recording:
 
     def side_done(self):
         self.log.append("event")
-        return "event-1"
+        return Event(self.log)
 
     def compute_waits(self, event) -> None:
         self.log.append(f"compute waits for {event}")
@@ -125,3 +138,22 @@ async def test_a_session_goes_down_to_host_ram_and_back_through_the_side_stream(
     assert second.token_ids == reference_greedy(tiny.model, turn2, 4)
     assert ops.log.index("event") < ops.log.index("compute waits for event-1") < ops.log.index("pool written")
     assert "pinned (off the side stream)" not in ops.log
+
+
+async def test_a_turn_shared_with_redis_is_copied_down_on_the_side_stream(tiny, tmp_path):
+    """Its full blocks are gathered on the compute stream and copied down on the side stream; the writer thread,
+    not the engine thread, waits for that copy before encoding the blocks for Redis."""
+    ops = Recording()
+    with using(CPU, Transfers(ops)), tiers_below("shared", tmp_path, 4) as tiers:
+        engine = make_engine(tiny, tiers=tiers, budget_bytes=4 << 20, block_size=4)
+        try:
+            prompt = tiny.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
+            result = await run(engine, prompt, session="a", max_tokens=4, ignore_eos=True)
+            assert result.error is None
+            await wait_until_async(lambda: any(e.startswith("waited on") for e in ops.log), what="the writer's wait")
+            await wait_until_async(lambda: tiers.shared.stats.num_written > 0, what="the blocks in Redis")
+        finally:
+            engine.stop()
+    waited = next(e for e in ops.log if e.startswith("waited on"))
+    assert not waited.startswith("waited on engine-"), waited
+    assert ops.log.index("side waits for compute") < ops.log.index("event") < ops.log.index(waited)
