@@ -21,7 +21,6 @@ from server.kv.blocks import BlockManager
 from server.kv.pool import KVLayout, KVPool
 from server.kv.snapshot import Snapshot
 from server.kv.tiers import TierStore
-from server.kv.transfers import transfers_for
 from server.sessions.record import SessionKey
 from server.sessions.store import SessionStore
 
@@ -34,7 +33,7 @@ def restore(pool: KVPool, block_ids: list[int], snapshot: Snapshot, first: int, 
     `first`, a block boundary). A snapshot already copied to the device (`upload`): the compute stream waits for
     that copy, the engine thread does not."""
     if snapshot.uploaded is not None:
-        transfers_for(pool.device).use_on_compute(snapshot.uploaded, snapshot.k + snapshot.v)
+        pool.transfers.use_on_compute(snapshot.uploaded, snapshot.k + snapshot.v)
     else:
         snapshot.wait()
     slots = pool.slots(block_ids, num_tokens - first)
@@ -78,7 +77,7 @@ class Offloader:
             return None
         layout = self.layouts["host"]
         k, v = self.pool.gather(self.pool.slots([b.block_id for b in blocks], num_tokens), layout)
-        hosts, ready = transfers_for(self.pool.device).to_host(k + v)  # on CUDA: pinned, on the side stream
+        hosts, ready = self.pool.transfers.to_host(k + v)  # on CUDA: pinned, on the side stream
         k, v = hosts[: len(k)], hosts[len(k) :]
         ids = list(token_ids[:num_tokens])
         return Snapshot(key, self.model_id, layout, self.digests, ids, k, v, ready=ready)
@@ -140,7 +139,7 @@ class Offloader:
             if not new:
                 return
             k, v = self.pool.gather(self.pool.slots([blocks[i].block_id for i in new], len(new) * bs), layout)
-            hosts, event = transfers_for(self.pool.device).to_host(k + v)  # on CUDA: the side stream, pinned
+            hosts, event = self.pool.transfers.to_host(k + v)  # on CUDA: the side stream, pinned
             job = WriteJob([names[i] for i in new], hosts[: len(k)], hosts[len(k) :], bs)  # block j: tokens j*bs ..
             if event is not None:
                 job.ready = event.synchronize  # the writer thread waits for the copy, not the engine
@@ -170,7 +169,7 @@ class Offloader:
         """On the loader thread, for a CUDA pool: a copy of the snapshot on the device, made on the side stream
         through pinned memory, for the restore to use without waiting (the tier's own snapshot is left as it is).
         Without CUDA the snapshot itself."""
-        transfers = transfers_for(self.pool.device)
+        transfers = self.pool.transfers
         if transfers.ops is None:
             return snapshot
         snapshot.wait()  # a copy down to the host still on its way

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from server.kv.transfers import transfers_for
+
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # the quantized formats, by their setting's name
 _LARGEST = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_BYTES = 4  # a float32 scale after each quantized row
@@ -144,6 +146,7 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
+        self.transfers = transfers_for(device)  # copies to and from host memory (a side stream on CUDA)
 
     @property
     def is_quantized(self) -> bool:

@@ -10,14 +10,12 @@ the compute stream wait for that copy's event (on the device: the host thread ne
 K/V into the pool's blocks. Decode steps run on the compute stream meanwhile.
 
 The device calls are `CudaOps`; `Transfers` holds the order they are made in, which the tests check on a CPU
-with a recording stand-in. Without CUDA nothing is copied (the pool is in host memory already).
+with a recording stand-in. Each pool has its own (`KVPool.transfers`). Without CUDA nothing is copied (the
+pool is in host memory already).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -117,30 +115,6 @@ class Transfers:
             ops.keep_for_compute(tensor)
 
 
-_TRANSFERS: dict[str, Transfers] = {}
-_LOCK = threading.Lock()
-
-
 def transfers_for(device: torch.device) -> Transfers:
-    """The device's transfers (one side stream per CUDA device; none for a CPU)."""
-    with _LOCK:
-        name = str(device)
-        if name not in _TRANSFERS:
-            _TRANSFERS[name] = Transfers(CudaOps(device) if device.type == "cuda" else None)
-        return _TRANSFERS[name]
-
-
-@contextmanager
-def using(device: torch.device, transfers: Transfers) -> Iterator[None]:
-    """For tests: `transfers_for(device)` is these transfers inside the block."""
-    with _LOCK:
-        kept = _TRANSFERS.get(str(device))
-        _TRANSFERS[str(device)] = transfers
-    try:
-        yield
-    finally:
-        with _LOCK:
-            if kept is None:
-                _TRANSFERS.pop(str(device), None)
-            else:
-                _TRANSFERS[str(device)] = kept
+    """New transfers for a pool on this device: a side stream of its own on CUDA, nothing on a CPU."""
+    return Transfers(CudaOps(device) if device.type == "cuda" else None)

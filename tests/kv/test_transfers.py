@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 
 from server.kv.tiers import TierStore
-from server.kv.transfers import Transfers, transfers_for, using
+from server.kv.transfers import Transfers, transfers_for
 from server.sessions.record import SessionKey
 from tests.helpers import make_engine, reference_greedy, run, tiers_below, wait_until_async
 
@@ -104,34 +104,33 @@ async def test_a_session_goes_down_to_host_ram_and_back_through_the_side_stream(
     """Its K/V is gathered, copied down (side stream), evicted, read back by the loader thread and copied up
     (side stream); the compute stream waits for that copy before the pool is written; the turn is HF's."""
     ops = Recording()
-    with using(CPU, Transfers(ops)):
-        tiers = TierStore(1 << 30, 0, None, block_size=4)
-        engine = make_engine(tiny, tiers=tiers, budget_bytes=4 << 20, block_size=4)
-        pool = engine.runner.pool
-        scatter = pool.scatter
+    tiers = TierStore(1 << 30, 0, None, block_size=4)
+    engine = make_engine(tiny, tiers=tiers, budget_bytes=4 << 20, block_size=4)
+    pool = engine.runner.pool
+    pool.transfers = Transfers(ops)
+    scatter = pool.scatter
 
-        def spy(*args, **kwargs):
-            ops.log.append("pool written")
-            return scatter(*args, **kwargs)
+    def spy(*args, **kwargs):
+        ops.log.append("pool written")
+        return scatter(*args, **kwargs)
 
-        monkeypatch.setattr(pool, "scatter", spy)
-        try:
-            prompt = tiny.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
-            first = await run(engine, prompt, session="a", max_tokens=4, ignore_eos=True)
-            transcript = prompt + first.token_ids
-            key = SessionKey("default", "a")
-            snapshot = await engine.query(lambda: engine.offloader.gather(key, transcript))
-            assert snapshot.ready == "event-1"
-            snapshot.ready = None  # the recorded event is a name, not a CUDA event
-            tiers.put(snapshot)
-            await engine.query(lambda: engine.blocks.discard(engine.blocks.chain(key.tenant, transcript)[0]))
-            down = list(ops.log)
-            ops.log.clear()
-            turn2 = transcript + tiny.tokenizer(" Hello")["input_ids"]
-            second = await asyncio.wait_for(run(engine, turn2, session="a", max_tokens=4, ignore_eos=True), 120)
-        finally:
-            engine.stop()
-            tiers.close()
+    monkeypatch.setattr(pool, "scatter", spy)
+    try:
+        prompt = tiny.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
+        first = await run(engine, prompt, session="a", max_tokens=4, ignore_eos=True)
+        transcript = prompt + first.token_ids
+        key = SessionKey("default", "a")
+        snapshot = await engine.query(lambda: engine.offloader.gather(key, transcript))
+        assert snapshot.ready == "event-1"
+        tiers.put(snapshot)
+        await engine.query(lambda: engine.blocks.discard(engine.blocks.chain(key.tenant, transcript)[0]))
+        down = list(ops.log)
+        ops.log.clear()
+        turn2 = transcript + tiny.tokenizer(" Hello")["input_ids"]
+        second = await asyncio.wait_for(run(engine, turn2, session="a", max_tokens=4, ignore_eos=True), 120)
+    finally:
+        engine.stop()
+        tiers.close()
     assert down[0] == "side waits for compute"
     assert down[-1] == "event"
     assert second.admitted.source == "host"
@@ -144,8 +143,9 @@ async def test_a_turn_shared_with_redis_is_copied_down_on_the_side_stream(tiny, 
     """Its full blocks are gathered on the compute stream and copied down on the side stream; the writer thread,
     not the engine thread, waits for that copy before encoding the blocks for Redis."""
     ops = Recording()
-    with using(CPU, Transfers(ops)), tiers_below("shared", tmp_path, 4) as tiers:
+    with tiers_below("shared", tmp_path, 4) as tiers:
         engine = make_engine(tiny, tiers=tiers, budget_bytes=4 << 20, block_size=4)
+        engine.runner.pool.transfers = Transfers(ops)
         try:
             prompt = tiny.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
             result = await run(engine, prompt, session="a", max_tokens=4, ignore_eos=True)
