@@ -91,6 +91,8 @@ class EngineLoop:
         self._thread = threading.current_thread()
         use_compute_threads()  # this thread's OpenMP team is the process's one (server/engine/threads.py)
         torch.set_grad_enabled(False)
+        if self.loaded.device.type == "cuda":  # Triton launches its kernels on the thread's current device
+            torch.cuda.set_device(self.loaded.device)
         while not self._inbox.is_closed:
             items = self._inbox.take(block=not (self.scheduler.running or self.scheduler.waiting))  # books at rest
             with self.blocks.changing():  # others read the books only at rest: while waiting, or in a forward pass

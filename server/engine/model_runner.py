@@ -137,7 +137,8 @@ class ModelRunner:
         assert isinstance(self.backend, TritonBackend)
         self.graphs = static_decode_graphs(self, loaded, buckets_for(max_rows))
         try:
-            self.graphs.capture()
+            with torch.cuda.device(loaded.device):  # the model's device, whichever the loading thread is on
+                self.graphs.capture()
         except Exception as exc:
             log.exception(
                 "model %s: capturing decode steps as CUDA graphs failed; every step runs eager", loaded.spec.id

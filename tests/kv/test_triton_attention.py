@@ -80,6 +80,7 @@ DECODE_CASES = [  # (group, kv_heads, dim, dtype, kv, window, softcap)
     (4, 2, 64, torch.float32, "int8", None, None),
     (2, 1, 128, torch.bfloat16, "fp8", None, None),
     (8, 1, 64, torch.float32, "int8", 33, 20.0),
+    (6, 2, 80, torch.float32, None, None, None),  # a group and a head size that are not powers of two (masked)
 ]
 
 
@@ -121,6 +122,7 @@ PREFILL_CASES = [  # (group, kv_heads, dim, dtype, kv, window, softcap)
     (2, 1, 64, torch.float32, None, None, 25.0),
     (4, 1, 128, torch.float32, "int8", None, None),
     (2, 2, 64, torch.bfloat16, "fp8", 24, 30.0),
+    (3, 1, 80, torch.float32, None, None, None),
 ]
 
 
