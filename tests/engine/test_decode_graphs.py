@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from server.engine import model_runner
 from server.engine.decode_graphs import BUCKETS, bucket_of, buckets_for
 from server.engine.model_runner import static_decode_graphs
 from server.engine.scheduler import Row
@@ -30,6 +31,8 @@ def words(loaded, text: str) -> list[int]:
 def test_buckets():
     assert buckets_for(256) == BUCKETS
     assert buckets_for(12) == (1, 2, 4, 8)
+    assert buckets_for(8) == (1, 2, 4, 8)
+    assert buckets_for(64) == BUCKETS
     assert buckets_for(0) == (1,)
     assert [bucket_of(n, (1, 2, 4, 8)) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
 
@@ -118,4 +121,67 @@ def test_a_row_longer_than_the_graphs_hold_runs_eagerly(tiny32):
     assert graphs.run([row(64, 256)]) is None  # its 257th key: more than the workspace's splits hold
     assert graphs.stats.num_eager == 2
     assert graphs.run([row(2, 5)]) is not None
-    assert graphs.stats.num_replays == 1
+    assert graphs.run([row(64, 255)]) is not None  # the last key a captured step holds
+    assert graphs.stats.num_replays == 2
+    unsampled = Row(row(2, 5).seq, [3], False)  # a prompt's one-token chunk that yields no token: not a decode row
+    assert graphs.run([unsampled]) is None
+    assert graphs.run([row(2, 5), Row(row(2, 5).seq, [3, 4], True)]) is None  # a prefill chunk beside it
+
+
+def test_the_graphs_hold_rows_up_to_a_key_limit_and_their_tables_round_up(tiny32, monkeypatch):
+    monkeypatch.setattr(model_runner, "GRAPH_MAX_KEYS", 64)
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=3, attention="triton")
+    engine.stop()
+    static = static_decode_graphs(engine.runner, tiny32, (1,)).statics[0]
+    assert (static.max_keys, static.max_blocks) == (64, 22)  # 64 keys in blocks of 3: 22 blocks
+    monkeypatch.setattr(model_runner, "GRAPH_MAX_KEYS", 16384)
+    static = static_decode_graphs(engine.runner, tiny32, (1,)).statics[0]
+    assert (static.max_keys, static.max_blocks) == (256, 86)  # the model's context, under the limit
+
+
+def test_a_replayed_step_is_the_runner_s_step_and_its_logits_outlive_the_next_replay(tiny32, monkeypatch):
+    """A step the graphs serve is counted once and never also run eagerly; the logits it returns are its own copy
+    (a captured graph writes every replay's into one tensor)."""
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
+    engine.stop()
+    runner = engine.runner
+    graphs = static_decode_graphs(runner, tiny32, (4,))
+    static = graphs.statics[0]
+    static.forward()  # as a capture leaves it: one output tensor, written by each replay
+
+    def replay() -> None:  # what a replay does to the graph's output: writes it in place
+        with torch.inference_mode():
+            static.logits.add_(1.0)
+
+    graphs.graphs[4] = SimpleNamespace(replay=replay)
+    runner.graphs = graphs
+    monkeypatch.setattr(runner, "_prepare", lambda rows: pytest.fail("a replayed step was also prepared eagerly"))
+    blocks = [SimpleNamespace(block_id=5), SimpleNamespace(block_id=9)]
+    row = Row(SimpleNamespace(blocks=blocks, num_computed=6, is_prefilled=True), [17], True)  # type: ignore[arg-type]
+    forwards, decoded = runner.counter.num_forwards, runner.counter.num_decode_tokens
+    first = runner.run([row])
+    kept = first.clone()
+    runner.run([row])
+    assert torch.equal(first, kept)
+    assert (runner.counter.num_forwards, runner.counter.num_decode_tokens) == (forwards + 2, decoded + 2)
+
+
+def test_every_step_passes_transformers_a_4d_mask_it_keeps_as_it_is(tiny32, monkeypatch):
+    """Eager and static steps alike: transformers builds no mask and never checks the positions for packed
+    sequences (a device sync each step, which a CUDA graph's capture refuses)."""
+    import transformers.masking_utils as masking
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a step made transformers look for packed sequences")
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", refuse)
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
+    engine.stop()
+    runner = engine.runner
+    blocks = [SimpleNamespace(block_id=5), SimpleNamespace(block_id=9)]
+    seq = SimpleNamespace(blocks=blocks, num_computed=5, is_prefilled=False)
+    runner.run([Row(seq, [4, 9], True)])  # type: ignore[arg-type]  # eager: a two-token chunk
+    runner.graphs = static_decode_graphs(runner, tiny32, (2,))
+    seq.num_computed, seq.is_prefilled = 7, True
+    runner.run([Row(seq, [17], True)])  # type: ignore[arg-type]  # the static step
+    assert runner.graphs.stats.num_replays == 1

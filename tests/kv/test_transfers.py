@@ -35,6 +35,14 @@ class Recording:
     def __init__(self) -> None:
         self.log: list[str] = []
         self.on_side_now = False
+        self.made: dict[str, set[int]] = {"pinned": set(), "device": set()}  # storages it handed out, by kind
+
+    def _made(self, kind: str, tensor):
+        self.made[kind].add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    def is_(self, kind: str, tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.made[kind]
 
     def side_waits_for_compute(self) -> None:
         self.log.append("side waits for compute")
@@ -49,11 +57,11 @@ class Recording:
 
     def pinned_like(self, tensor):
         self.log.append("pinned" + ("" if self.on_side_now else " (off the side stream)"))
-        return torch.empty_like(tensor)
+        return self._made("pinned", torch.empty_like(tensor))
 
     def empty_on_device(self, tensor):
         self.log.append("device tensor")
-        return torch.empty_like(tensor)
+        return self._made("device", torch.empty_like(tensor))
 
     def keep_for_side(self, tensor) -> None:
         self.log.append("kept for side")
@@ -110,9 +118,10 @@ async def test_a_session_goes_down_to_host_ram_and_back_through_the_side_stream(
     pool.transfers = Transfers(ops)
     scatter = pool.scatter
 
-    def spy(*args, **kwargs):
+    def spy(slots, k, v, *rest):
         ops.log.append("pool written")
-        return scatter(*args, **kwargs)
+        assert all(ops.is_("device", t) for t in k + v), "the restore wrote host tensors, not the device copies"
+        return scatter(slots, k, v, *rest)
 
     monkeypatch.setattr(pool, "scatter", spy)
     try:
@@ -122,6 +131,7 @@ async def test_a_session_goes_down_to_host_ram_and_back_through_the_side_stream(
         key = SessionKey("default", "a")
         snapshot = await engine.query(lambda: engine.offloader.gather(key, transcript))
         assert snapshot.ready == "event-1"
+        assert all(ops.is_("pinned", t) for t in snapshot.k + snapshot.v)  # the host copies, not the gathered
         tiers.put(snapshot)
         await engine.query(lambda: engine.blocks.discard(engine.blocks.chain(key.tenant, transcript)[0]))
         down = list(ops.log)
