@@ -39,16 +39,16 @@ def test_every_imported_package_is_a_declared_dependency():
     assert not missing, f"imported by server/ but not declared in pyproject.toml: {missing}"
 
 
-def optional_and_lazy() -> set[str]:
+def optional_and_lazy(root: Path = ROOT) -> set[str]:
     """Packages of an optional extra (dev aside: the tests' tools) imported only by server modules that no server
     module imports at its top level (so a plain install runs without them: triton, the GPU's kernels)."""
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     optional = {
         normalized(re.split(r"[ <>=!~;\[]", s, maxsplit=1)[0]) for k, v in extras.items() if k != "dev" for s in v
     }
     top_level: dict[str, set[str]] = {}  # module -> what it imports at its top level
-    for path in (ROOT / "server").rglob("*.py"):
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for path in (root / "server").rglob("*.py"):
+        name = ".".join(path.relative_to(root).with_suffix("").parts)
         names = top_level.setdefault(name, set())
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Import):
@@ -77,3 +77,15 @@ def test_lint_checks_the_lowest_python_claimed():
     assert lowest, pyproject["project"]["requires-python"]
     assert pyproject["tool"]["mypy"]["python_version"] == f"3.{lowest[1]}"
     assert pyproject["tool"]["ruff"]["target-version"] == f"py3{lowest[1]}"
+
+
+def test_an_optional_package_imported_at_the_top_of_the_import_chain_is_not_lazy(tmp_path):
+    (tmp_path / "server").mkdir()
+    extras = '[project.optional-dependencies]\ngpu = ["triton"]\ndev = ["pytest"]\n'
+    (tmp_path / "pyproject.toml").write_text(extras)
+    (tmp_path / "server" / "gpu.py").write_text("import triton\n")
+    (tmp_path / "server" / "tools.py").write_text("import pytest\n")  # a dev package: never optional
+    (tmp_path / "server" / "app.py").write_text("from server import gpu\n")
+    assert optional_and_lazy(tmp_path) == set()
+    (tmp_path / "server" / "app.py").write_text("def load():\n    from server import gpu\n")
+    assert optional_and_lazy(tmp_path) == {"triton"}

@@ -13,7 +13,7 @@ from torch import nn
 
 from server.engine import model_runner
 from server.engine.scheduler import Row
-from server.kv import triton_attention
+from server.kv import kernels, triton_attention
 from server.kv.attention import stepping
 from server.kv.backends import StepRow
 from server.models.loader import load_model
@@ -87,6 +87,7 @@ async def test_an_8_bit_pool_answers_as_sdpa_does_over_the_same_pool(tiny32, kv_
 
 def test_deterministic_mode_makes_every_token_a_decode_row_where_the_linear_layers_allow(tiny32, monkeypatch):
     monkeypatch.setattr(model_runner, "linear_invariance", lambda model: None)
+    monkeypatch.setattr(kernels, "paged_decode_available", lambda: False)  # as on a GPU host: no CPU kernels
     engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, deterministic=True, attention="triton")
     engine.stop()
     assert not engine.runner.deterministic
@@ -95,6 +96,7 @@ def test_deterministic_mode_makes_every_token_a_decode_row_where_the_linear_laye
     )
     assert not engine.runner.backend.every_token
 
+    monkeypatch.undo()
     monkeypatch.setattr(model_runner, "linear_invariance", lambda model: {"as they are": 15})
     engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, deterministic=True, attention="triton")
     engine.stop()
@@ -175,6 +177,19 @@ class RowByRow(nn.Linear):
         return torch.cat([super(RowByRow, self).forward(x[:, i : i + 1]) for i in range(x.shape[1])], 1)
 
 
+class RowByRowPlus(nn.Linear):
+    """Row by row, plus 1e-3 on the rows where `hit(row's place, rows in the call)` holds."""
+
+    def __init__(self, hit) -> None:
+        super().__init__(8, 4)
+        self.hit = hit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        rows = [super(RowByRowPlus, self).forward(x[:, i : i + 1]) + 1e-3 * self.hit(i, n) for i in range(n)]
+        return torch.cat(rows, 1)
+
+
 class CountsRows(nn.Linear):
     """A product that changes with the rows in the call (as a kernel picked by the row count may)."""
 
@@ -186,6 +201,25 @@ def test_the_plain_linear_probe_finds_what_depends_on_the_rows_beside():
     assert linear_invariance(nn.Sequential(RowByRow(8, 4), RowByRow(8, 4), RowByRow(4, 2))) == {"as they are": 3}
     assert linear_invariance(nn.Sequential(RowByRow(8, 4), CountsRows(4, 2))) is None
     assert linear_invariance(nn.Sequential(nn.ReLU())) is None  # nothing to probe
+    # by its place in the call (only a shifted call shows it), by the call's size (only calls of 2 to 64 rows)
+    assert linear_invariance(nn.Sequential(RowByRowPlus(lambda i, n: i % 8 == 7))) is None
+    assert linear_invariance(nn.Sequential(RowByRowPlus(lambda i, n: 2 <= n <= 64))) is None
+
+
+def test_a_step_s_workspace_holds_the_splits_of_its_longest_row_and_serves_every_layer(tiny32):
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
+    engine.stop()
+    backend = engine.runner.backend
+    rows = [StepRow(0, 1, 5, [0, 1], []), StepRow(1, 1, 300, list(range(2, 77)), [])]
+    meta = backend.plan(rows, torch.tensor([4, 300 + 7]))
+    assert meta.launch.max_keys == 300
+    query = torch.randn(1, 4, 2, 16)
+    out = torch.empty(2, 4, 16)
+    backend.attend(meta, 0, query, out, 0.25, None, None)
+    workspace = meta.launch.workspace
+    assert workspace[0].shape[2] == 2  # 300 keys: two splits of 256
+    backend.attend(meta, 1, query, out, 0.25, None, None)
+    assert meta.launch.workspace is workspace  # made by the step's first layer, reused by the others
 
 
 def test_the_workspace_holds_a_split_for_every_256_keys():

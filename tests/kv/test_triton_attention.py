@@ -247,3 +247,37 @@ def test_every_kernel_compiles_for_sm_90(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert len(lines) == 4 + 2 * (2 + 1 + 1 + 1) + 1  # stores, decode and prefill variants, the merge
     assert all(line.startswith("OK ") for line in lines), lines
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_store_rounds_ties_to_even_and_fp8_subnormals_as_the_pool_does(kv):
+    """Rows whose scaled values sit on ties (int8: x.5) and in fp8's subnormal range (below 2^-6): the same bytes
+    as `pool.write` (torch's rounding)."""
+    dim = 64
+    if kv == "int8":  # a largest value of 127: scale 1, the values as they are
+        values = [127.0, 0.5, 1.5, 2.5, -2.5, 3.5, 126.5, -0.5]
+    else:  # a largest value of 448: scale 1; subnormals are multiples of 2^-9
+        values = [448.0] + [v * 2.0**-9 for v in (1.3, 2.7, 5.4, -1.3, 7.2, 0.5, 1.5)]
+    row = torch.tensor(values * (dim // len(values)), dtype=torch.float32)
+    key = row.view(1, 1, dim).to(DEVICE)
+    ours, theirs = (make_pool(1, dim, torch.float32, kv, 4, 1) for _ in range(2))
+    slots = torch.tensor([2], device=DEVICE)
+    ta.store_kv(ours.k[0], ours.v[0], slots, key, key, quantized=True)
+    theirs.write(0, slots, key, key)
+    assert torch.equal(ours.k[0].view(torch.uint8)[:, 2], theirs.k[0].view(torch.uint8)[:, 2])
+
+
+def test_products_are_full_fp32_for_fp32_models_on_a_gpu(monkeypatch):
+    """tf32 would cost an fp32 model its precision: fp32 and fp64 take `ieee` products; 16-bit ones the MMA."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert ta._dot_f32(torch.float32)
+    assert ta._dot_f32(torch.float64)
+    assert not ta._dot_f32(torch.bfloat16)
+    assert not ta._dot_f32(torch.float16)
+
+
+def test_prefill_with_query_tiles_longer_than_key_tiles(monkeypatch):
+    """A window narrower than a program's queries: some of a tile's rows see no key in its first key tiles (the
+    softmax's guard keeps them finite)."""
+    monkeypatch.setattr(ta, "PREFILL_BLOCK_M", 64)
+    test_prefill_and_extend_match_float64(2, 2, 64, torch.float32, None, 20, None)
