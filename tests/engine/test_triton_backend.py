@@ -210,6 +210,8 @@ def test_a_step_s_workspace_holds_the_splits_of_its_longest_row_and_serves_every
     engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
     engine.stop()
     backend = engine.runner.backend
+    for t in backend.pool.k + backend.pool.v:
+        t.normal_()  # keys and values to read (the pool is made empty)
     rows = [StepRow(0, 1, 5, [0, 1], []), StepRow(1, 1, 300, list(range(2, 77)), [])]
     meta = backend.plan(rows, torch.tensor([4, 300 + 7]))
     assert meta.launch.max_keys == 300
