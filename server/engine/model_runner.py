@@ -158,7 +158,16 @@ class ModelRunner:
         if name == SDPA_BACKEND:
             return SdpaBackend(self.pool)
         if name == TRITON_BACKEND:
-            return TritonBackend(self.pool, every_token=self.deterministic)
+            failed = TritonBackend.self_test(self.pool, num_heads)
+            if failed is None:
+                return TritonBackend(self.pool, every_token=self.deterministic)
+            log.error("model %s: the Triton kernels do not run here (%s): attention by SDPA", loaded.spec.id, failed)
+            sdpa = SdpaBackend(self.pool)
+            sdpa.detail = f"every row one SDPA call (the Triton kernels do not run here: {failed})"
+            if self.deterministic:
+                self.deterministic = False
+                self.deterministic_detail = "unavailable: the Triton kernels do not run here"
+            return sdpa
         if name == TILED_BACKEND:
             layouts = HeadLayouts.for_pool(self.layout, self.pool.block_size, self.pool.nbytes)
             by_kernel = True

@@ -536,6 +536,13 @@ class TritonBackend(AttentionBackend):
                 f"Triton kernels: decode rows split every {triton_attention.SPLIT_KEYS} keys, prefill chunks in place"
             )
 
+    @staticmethod
+    def self_test(pool: KVPool, num_heads: int) -> str | None:
+        """None when the kernels run here and answer right for this pool's layout, else what failed."""
+        from server.kv import triton_attention
+
+        return triton_attention.self_test(pool.layout, pool.block_size, num_heads, pool.device)
+
     def plan(self, rows: list[StepRow], slot_mapping: torch.Tensor) -> StepMeta:
         decode: list[DecodeRow] = []
         chunks: list[tuple[int, int, int, list[int]]] = []

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from server.kv.pool import SCALE_BYTES
+from server.kv.pool import SCALE_BYTES, KVLayout, KVPool
 
 SPLIT_KEYS = 256  # keys a decode program walks: a row of n keys takes ceil(n / SPLIT_KEYS) programs per kv head
 BLOCK_N = 32  # keys per tile
@@ -666,3 +666,41 @@ def prefill(
         WINDOW=window is not None,
         DOT_F32=_dot_f32(query.dtype),
     )
+
+
+def self_test(layout: KVLayout, block_size: int, num_heads: int, device: torch.device) -> str | None:
+    """Run the three kernels once on a scratch pool of this layout (one layer, two blocks) and check their answer
+    against torch's: None when they work here, else what failed. At load: a host whose triton cannot build or run
+    its kernels (no C compiler for its launcher, a driver or GPU it does not support) serves by SDPA instead of
+    failing every request."""
+    try:
+        pool = KVPool(KVLayout(1, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.kv_dtype), 2, block_size,
+                      device)  # fmt: skip
+        n, dim = block_size + 1, layout.head_dim  # two blocks, the second in the table first: an edge crossed
+        generator = torch.Generator().manual_seed(0)
+        key, value, query = (
+            torch.randn(shape, generator=generator).to(device, layout.dtype)
+            for shape in ((layout.num_kv_heads, n, dim), (layout.num_kv_heads, n, dim), (n, num_heads, dim))
+        )
+        slots = pool.slots([1, 0], n)
+        store_kv(pool.k[0], pool.v[0], slots, key, value, pool.is_quantized)
+        int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+        out = torch.zeros_like(query)
+        prefill(query, pool.k[0], pool.v[0], out, prefill_tiles([n], device), int32([0]), int32([n]), int32([n]),
+                int32([[1, 0]]), block_size, dim**-0.5, quantized=pool.is_quantized)  # fmt: skip
+        last = torch.zeros_like(query)
+        decode(query, pool.k[0], pool.v[0], last, int32([n - 1]), int32([[1, 0]]), int32([n]),
+               decode_workspace(1, num_heads, dim, n, device), block_size, dim**-0.5,
+               quantized=pool.is_quantized)  # fmt: skip
+        k, v = pool.read(0, 0, 0, slots)
+        group = num_heads // layout.num_kv_heads
+        scores = torch.einsum("qhd,hkd->hqk", query.float(), k.float().repeat_interleave(group, 0)) * dim**-0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=device).triu(1), float("-inf"))
+        want = torch.einsum("hqk,hkd->qhd", scores.softmax(-1), v.float().repeat_interleave(group, 0))
+        for name, got in (("prefill", out), ("decode", last[n - 1 :])):
+            error = (got.float() - want[-got.shape[0] :]).abs().max().item()
+            if not error < 0.05:  # bf16 rounding is ~0.01 here; NaN fails too
+                return f"the {name} kernel's answer is off by {error:.3g}"
+    except Exception as exc:  # whatever triton raises where it cannot build or run here
+        return " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+    return None

@@ -58,7 +58,7 @@ def test_the_engine_attends_by_triton_and_replays_captured_decode_steps(tiny_cud
         engine = make_engine(tiny_cuda, budget_bytes=64 << 20)
         runner = engine.runner
         try:
-            assert runner.backend.name == "triton"
+            assert runner.backend.name == "triton", runner.backend.detail  # the self-test's failure, if any
             assert runner.graphs is not None, runner.graphs_detail
             assert runner.graphs_detail.startswith("decode steps of 1, 2, 4, 8, 16, 32, 64 rows, captured at start")
             prompts = [tiny_cuda.tokenizer(t)["input_ids"] for t in ("The quick", "Paris is the", "Hello world")]

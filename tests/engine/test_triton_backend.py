@@ -157,6 +157,19 @@ def test_the_deterministic_split_gives_a_token_one_answer_however_it_was_batched
         pad_rows(runner.model, 1)
 
 
+def test_a_host_where_the_kernels_do_not_run_serves_by_sdpa_and_says_why(tiny32, monkeypatch):
+    failure = "RuntimeError: Failed to find C compiler. Please specify via CC environment variable."
+    monkeypatch.setattr(triton_attention, "self_test", lambda *args: failure)
+    monkeypatch.setattr(model_runner, "linear_invariance", lambda model: {"as they are": 15})
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton", deterministic=True)
+    engine.stop()
+    backend = engine.runner.backend
+    assert backend.name == "sdpa"
+    assert backend.detail == f"every row one SDPA call (the Triton kernels do not run here: {failure})"
+    assert not engine.runner.deterministic
+    assert engine.runner.deterministic_detail == "unavailable: the Triton kernels do not run here"
+
+
 def test_asking_for_a_backend_checks_it_can_run_here(tiny32, monkeypatch):
     with pytest.raises(ValueError, match="expected auto or one of"):
         make_engine(tiny32, attention="flash")

@@ -281,3 +281,26 @@ def test_prefill_with_query_tiles_longer_than_key_tiles(monkeypatch):
     softmax's guard keeps them finite)."""
     monkeypatch.setattr(ta, "PREFILL_BLOCK_M", 64)
     test_prefill_and_extend_match_float64(2, 2, 64, torch.float32, None, 20, None)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv"), [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "int8"), (torch.float32, "fp8")]
+)
+def test_the_self_test_passes_where_the_kernels_work(dtype, kv):
+    layout = KVLayout(2, 2, 64, dtype, KV_DTYPES[kv] if kv else None)
+    assert ta.self_test(layout, 16, 4, DEVICE) is None
+
+
+def test_the_self_test_says_what_failed(monkeypatch):
+    layout = KVLayout(2, 2, 64, torch.float32)
+    monkeypatch.setattr(ta, "decode", lambda *args, **kwargs: None)  # leaves its output zero: a wrong answer
+    assert ta.self_test(layout, 16, 4, DEVICE).startswith("the decode kernel's answer is off by")
+    monkeypatch.undo()
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setattr(ta, "store_kv", no_compiler)
+    assert ta.self_test(layout, 16, 4, DEVICE) == (
+        "RuntimeError: Failed to find C compiler. Please specify via CC environment variable."
+    )
