@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 import time
 import types
 import typing
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -120,6 +122,12 @@ def _is_union(annotation: object) -> bool:
     return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
 
+def keep_triton_cache(cache_dir: Path) -> None:
+    """Triton's compiled kernels (a GPU's attention) kept beside the converted weights, under cache_dir/triton,
+    unless TRITON_CACHE_DIR says where: not in ~/.triton, which every checkout and install of one user shares."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path(cache_dir).resolve() / "triton"))
+
+
 def main(argv: list[str] | None = None) -> int:
     command, settings = parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -128,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.engine.threads import confine_to_one_team
 
     confine_to_one_team()  # before torch is imported: one OpenMP team, the engine's (server/engine/threads.py)
+    keep_triton_cache(settings.cache_dir)
     specs = _specs(settings)
     if specs is None:
         return 2

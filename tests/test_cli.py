@@ -83,3 +83,14 @@ def test_kvserve_serve_with_a_bad_setting_exits_2_with_one_line_on_stderr(tmp_pa
         "kvserve: --kv-dtype (KVSERVE_KV_DTYPE): 'int4' is not one of auto, compute, int8, fp8",
         "kvserve: --host-kv-dtype (KVSERVE_HOST_KV_DTYPE): 'int4' is not one of pool, int8, fp8",
     ]
+
+
+def test_triton_s_kernels_are_kept_in_the_cache_dir_unless_said_otherwise(tmp_path, monkeypatch):
+    from server.__main__ import keep_triton_cache
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    keep_triton_cache(tmp_path / "cache")
+    assert os.environ["TRITON_CACHE_DIR"] == str((tmp_path / "cache").resolve() / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    keep_triton_cache(tmp_path / "cache")
+    assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
