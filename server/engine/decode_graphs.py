@@ -4,9 +4,9 @@ At start the runner captures one graph per batch size bucket (BUCKETS up to the 
 forward pass of `size` decode rows over static tensors: ids, positions, slots, block tables, context lengths,
 the sampled rows, and the Triton backend's split workspace, sized for rows of up to GRAPH_MAX_KEYS keys (or the
 model's longest context, if shorter). A step of n decode rows (n at most the largest bucket, none longer) runs
-the smallest bucket >= n: its tensors are filled (the
-padding rows write no K/V, slot -1, and read no keys, length 0), the graph replayed, the first n rows of its
-logits returned. Steps with a prefill chunk run eagerly, as before.
+the smallest bucket >= n: its tensors are filled (the padding rows write no K/V, slot -1, and read no keys,
+length 0), the graph replayed, a copy of the first n rows of its logits returned. Steps with a prefill chunk
+run eagerly, as before.
 
 Everything but the capture itself is plain tensor work: `StaticDecode` runs eagerly on a CPU (the Triton
 kernels in triton's interpreter) so its filling and padding are tested there against the eager path; on
@@ -16,7 +16,6 @@ compiles its kernels on first use, which a capture must not do).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +25,6 @@ import torch
 from server.engine.scheduler import Row
 from server.kv.attention import DecodeRows, StepMeta, stepping
 from server.kv.backends import TritonBackend, TritonLaunch
-
-log = logging.getLogger("kvserve.engine")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows a captured step holds
 # Keys a captured step's rows may have (longer rows run eagerly): the split workspace and the tables are sized for
