@@ -100,8 +100,8 @@ class StaticDecode:
         self.position_ids.copy_(torch.tensor([positions + [0] * pad]), non_blocking=True)
         self.slots.copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
         self.lens.copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32), non_blocking=True)
+        # the padding rows' tables keep what earlier steps left there: with no keys they read none of it
         self.tables[:n].copy_(torch.tensor(tables, dtype=torch.int32).view(n, self.max_blocks), non_blocking=True)
-        self.tables[n:].zero_()
 
     def forward(self) -> None:
         """The step over the static tensors; its logits [size, V] land in `self.logits` (the same tensor on every

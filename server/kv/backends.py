@@ -177,13 +177,14 @@ class AttentionBackend:
             ctx_slots = self._long(self.pool.slot_ids(table, 0, ctx_len))
         return SeqSpan(q_start, q_len, ctx_len, ctx_slots, first * bs, self.device)
 
-    def _prefill_rows(self, chunks: list[tuple[int, int, int, list[int]]]) -> PrefillRows:
-        """Chunks (first row, tokens, keys, blocks) for the prefill kernel."""
+    def _prefill_rows(self, chunks: list[tuple[int, int, int, list[int]]], copy: bool = True) -> PrefillRows:
+        """Chunks (first row, tokens, keys, blocks) for the prefill kernel; `copy`: over an 8-bit pool the kernel
+        reads a dequantized copy of their blocks (the C++ kernel; the Triton one dequantizes in place)."""
         bs = self.pool.block_size
         width = max(-(-ctx // bs) for _, _, ctx, _ in chunks)
         used = [table[: -(-ctx // bs)] for _, _, ctx, table in chunks]
         slots = None
-        if self.pool.is_quantized:  # the kernel reads a dequantized copy of these blocks: tables count in it
+        if copy and self.pool.is_quantized:  # the kernel reads a dequantized copy of these blocks: tables count in it
             order: dict[int, int] = {}
             for table in used:
                 for block in table:
@@ -202,6 +203,12 @@ class AttentionBackend:
         lens = int32([r.ctx_len for r in rows])
         first_keys = int32([r.head for r in rows]) if heads else None
         return DecodeRows(int32([r.at for r in rows]), int32(padded), lens, heads, first_keys)
+
+    @staticmethod
+    def _token_rows(r: StepRow) -> list[DecodeRow]:
+        """Deterministic mode: each of the row's tokens a decode row over its own keys (one order per position)."""
+        start = r.ctx_len - r.num_tokens
+        return [DecodeRow(r.at - start + p, r.table, p + 1, r.blocks) for p in range(start, r.ctx_len)]
 
     def _int32(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
@@ -409,10 +416,8 @@ class KernelBackend(AttentionBackend):
         kernel_rows: list[DecodeRow] = []
         chunks: list[tuple[int, int, int, list[int]]] = []
         for r in rows:
-            start = r.ctx_len - r.num_tokens
-            if self.every_token:  # every token a decode kernel row over its own keys
-                at = r.at - start
-                kernel_rows += [DecodeRow(at + p, r.table, p + 1, r.blocks) for p in range(start, r.ctx_len)]
+            if self.every_token:
+                kernel_rows += self._token_rows(r)
             elif r.num_tokens == 1:
                 row = DecodeRow(r.at, r.table, r.ctx_len, r.blocks)
                 (kernel_rows if r.ctx_len <= KERNEL_MAX_CONTEXT else long_rows).append(row)
@@ -547,11 +552,10 @@ class TritonBackend(AttentionBackend):
         decode: list[DecodeRow] = []
         chunks: list[tuple[int, int, int, list[int]]] = []
         for r in rows:
-            start = r.ctx_len - r.num_tokens
             if r.num_tokens == 1:
                 decode.append(DecodeRow(r.at, r.table, r.ctx_len, r.blocks))
-            elif self.every_token:  # every token a decode row over its own keys
-                decode += [DecodeRow(r.at - start + p, r.table, p + 1, r.blocks) for p in range(start, r.ctx_len)]
+            elif self.every_token:
+                decode += self._token_rows(r)
             else:
                 chunks.append((r.at, r.num_tokens, r.ctx_len, r.table))
         meta = StepMeta(self.pool, slot_mapping, [], backend=self, launch=TritonLaunch())
@@ -559,18 +563,9 @@ class TritonBackend(AttentionBackend):
             meta.decode = self._decode_rows(decode, [])
             meta.launch.max_keys = max(r.ctx_len for r in decode)
         if chunks:
-            meta.prefill = self._prefill_rows(chunks)
+            meta.prefill = self._prefill_rows(chunks, copy=False)
             meta.launch.tiles = self.kernels.prefill_tiles([c[1] for c in chunks], self.device)
         return self._count(meta)
-
-    def _prefill_rows(self, chunks: list[tuple[int, int, int, list[int]]]) -> PrefillRows:
-        bs = self.pool.block_size
-        width = max(-(-ctx // bs) for _, _, ctx, _ in chunks)
-        tables = [table[: -(-ctx // bs)] + [0] * (width - -(-ctx // bs)) for _, _, ctx, table in chunks]
-        int32 = self._int32
-        return PrefillRows(
-            int32([c[0] for c in chunks]), int32([c[1] for c in chunks]), int32([c[2] for c in chunks]), int32(tables)
-        )
 
     def write(self, step: StepMeta, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         pool = self.pool

@@ -161,6 +161,62 @@ def _load_rows(
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    k_pool,
+    v_pool,
+    k_scales,
+    v_scales,
+    kvh,
+    table,
+    pos,
+    valid,
+    visible,
+    block_size,
+    d,
+    dmask,
+    stride_pool_h,
+    stride_pool_s,
+    stride_scale_h,
+    stride_scale_s,
+    scale,
+    softcap,
+    run_max,
+    run_sum,
+    acc,
+    D: tl.constexpr,
+    QUANT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """One tile of keys at positions `pos` (`valid` ones in the row's table) for the query rows q [M, BLOCK_D]:
+    their scores (softcapped), the keys each row may not see (`visible` false) masked, and the online softmax's
+    running max, sum and weighted values [M, BLOCK_D] carried over it. The walk of decode and prefill alike."""
+    block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+    slots = block * block_size + pos % block_size
+    k = _load_rows(k_pool, k_scales, kvh, slots, valid, d, dmask, stride_pool_h, stride_pool_s, stride_scale_h,
+                   stride_scale_s, D, QUANT, q)  # fmt: skip
+    if DOT_F32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
+    s = tl.where(visible, s, float("-inf"))
+    new_max = tl.maximum(run_max, tl.max(s, axis=1))
+    safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that saw no key yet: no NaN
+    alpha = tl.exp(run_max - safe)
+    p = tl.exp(s - safe[:, None])
+    v = _load_rows(v_pool, v_scales, kvh, slots, valid, d, dmask, stride_pool_h, stride_pool_s, stride_scale_h,
+                   stride_scale_s, D, QUANT, q)  # fmt: skip
+    if DOT_F32:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return new_max, run_sum * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_split_kernel(
     query,
     k_pool,
@@ -227,57 +283,11 @@ def _decode_split_kernel(
     for n in range(first, end, BLOCK_N):
         pos = n + tl.arange(0, BLOCK_N)
         valid = pos < end
-        block = tl.load(tables + b * stride_table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        slots = block * block_size + pos % block_size
-        k = _load_rows(
-            k_pool,
-            k_scales,
-            kvh,
-            slots,
-            valid,
-            d,
-            dmask,
-            stride_pool_h,
-            stride_pool_s,
-            stride_scale_h,
-            stride_scale_s,
-            D,
-            QUANT,
-            q,
-        )
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(s, axis=1))
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        alpha = tl.exp(run_max - safe)
-        p = tl.exp(s - safe[:, None])
-        run_sum = run_sum * alpha + tl.sum(p, axis=1)
-        v = _load_rows(
-            v_pool,
-            v_scales,
-            kvh,
-            slots,
-            valid,
-            d,
-            dmask,
-            stride_pool_h,
-            stride_pool_s,
-            stride_scale_h,
-            stride_scale_s,
-            D,
-            QUANT,
-            q,
-        )
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        run_max = new_max
+        run_max, run_sum, acc = _attend_tile(
+            q, k_pool, v_pool, k_scales, v_scales, kvh, tables + b * stride_table, pos, valid, valid[None, :],
+            block_size, d, dmask, stride_pool_h, stride_pool_s, stride_scale_h, stride_scale_s, scale, softcap,
+            run_max, run_sum, acc, D, QUANT, SOFTCAP, DOT_F32,
+        )  # fmt: skip
     at = b * stride_acc_b + heads * stride_acc_h + split * stride_acc_s
     tl.store(acc_out + at[:, None] + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
     ms = b * stride_ms_b + heads * stride_ms_h + split
@@ -390,60 +400,14 @@ def _prefill_kernel(
     for n in range(lo, hi, BLOCK_N):
         pos = n + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        block = tl.load(tables + c * stride_table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        slots = block * block_size + pos % block_size
-        k = _load_rows(
-            k_pool,
-            k_scales,
-            kvh,
-            slots,
-            valid,
-            d,
-            dmask,
-            stride_pool_h,
-            stride_pool_s,
-            stride_scale_h,
-            stride_scale_s,
-            D,
-            QUANT,
-            q,
-        )
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
         visible = valid[None, :] & (pos[None, :] <= qpos[:, None])
         if WINDOW:
             visible = visible & (pos[None, :] > qpos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(s, axis=1))
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        alpha = tl.exp(run_max - safe)
-        p = tl.exp(s - safe[:, None])
-        run_sum = run_sum * alpha + tl.sum(p, axis=1)
-        v = _load_rows(
-            v_pool,
-            v_scales,
-            kvh,
-            slots,
-            valid,
-            d,
-            dmask,
-            stride_pool_h,
-            stride_pool_s,
-            stride_scale_h,
-            stride_scale_s,
-            D,
-            QUANT,
-            q,
-        )
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        run_max = new_max
+        run_max, run_sum, acc = _attend_tile(
+            q, k_pool, v_pool, k_scales, v_scales, kvh, tables + c * stride_table, pos, valid, visible,
+            block_size, d, dmask, stride_pool_h, stride_pool_s, stride_scale_h, stride_scale_s, scale, softcap,
+            run_max, run_sum, acc, D, QUANT, SOFTCAP, DOT_F32,
+        )  # fmt: skip
     result = acc / tl.where(run_sum > 0, run_sum, 1.0)[:, None]  # masked rows: 0
     tl.store(
         out + at[:, None] * stride_o_t + h * stride_o_h + d[None, :],
