@@ -16,8 +16,7 @@ from server.http.auth import KeyRing, announce, load_keys
 from server.http.connections import throttle_accept_errors
 from server.http.gate import Gate
 from server.http.routes import (
-    chat,
-    completions,
+    generation,
     health,
     messages,
     metrics,
@@ -29,7 +28,7 @@ from server.http.routes import (
 )
 from server.metrics import Metrics
 from server.models.loader import ModelSpec
-from server.serving.completions import Completions
+from server.serving.apis import GENERATION_PATHS
 from server.serving.core import Serving
 from server.serving.messages import Messages
 from server.serving.responses import Responses
@@ -49,10 +48,9 @@ def lifespan_of(settings: Settings, specs: list[ModelSpec] | None, keys: KeyRing
         throttle_accept_errors(asyncio.get_running_loop())
         host = ModelHost(settings, specs)
         app.state.host = host
-        app.state.metrics = metrics = Metrics(host)
+        app.state.metrics = metrics = Metrics(host, GENERATION_PATHS)
         announce(keys, settings.host)
-        serving = Serving(host, metrics)
-        app.state.completions = Completions(serving)
+        app.state.serving = serving = Serving(host, metrics)
         app.state.sessions = Sessions(serving)
         app.state.responses = Responses(serving)
         app.state.tokens = Tokens(serving)
@@ -98,7 +96,7 @@ def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None =
     openapi.install(app, settings.max_tokens_limit)
     if settings.playground:
         playground.install(app)
-    routers = (completions, chat, responses, messages, models, sessions, tokens, health, metrics)
+    routers = (generation, responses, messages, models, sessions, tokens, health, metrics)
     for router in (module.router for module in routers):
         app.include_router(router)
     return app

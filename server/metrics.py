@@ -21,11 +21,12 @@ LATENCY_BUCKETS = (
     *(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0),
     *(60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0),
 )
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 class Metrics:
-    def __init__(self, host) -> None:
+    def __init__(self, host, generation_routes: tuple[str, ...]) -> None:
+        """`generation_routes`: the paths whose refused requests count as failures (server/serving/apis.py)."""
+        self.generation_routes = generation_routes
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter(
@@ -62,7 +63,7 @@ class Metrics:
 
     def on_refused(self, route: str, model: str, code: str) -> None:
         """A generation request answered with an error before it ran (a 400 included): a failure too."""
-        if route in GENERATION_ROUTES:
+        if route in self.generation_routes:
             self.failed.labels(model, code).inc()
 
     async def meter(self, events: AsyncIterator[Event], model: str, started: float) -> AsyncIterator[Event]:

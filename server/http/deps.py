@@ -6,15 +6,15 @@ from fastapi import Request
 
 from server.hosting import ModelHost
 from server.http.auth import DEFAULT_TENANT
-from server.serving.completions import Completions
+from server.serving.core import Serving
 from server.serving.messages import Messages
 from server.serving.responses import Responses
 from server.serving.sessions import Sessions
 from server.serving.tokens import Tokens
 
 
-def completions(request: Request) -> Completions:
-    return request.app.state.completions
+def serving(request: Request) -> Serving:
+    return request.app.state.serving
 
 
 def sessions(request: Request) -> Sessions:

@@ -12,9 +12,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.anthropic.answers import error_envelope
 from server.errors import Refused
 from server.openai.errors import ApiError, error_body
+from server.serving.apis import envelope_of
 
 log = logging.getLogger("kvserve.api")
-ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
@@ -63,8 +63,8 @@ def _counted(request: Request, err: ApiError) -> ApiError:
 
 
 def envelope(path: str, status: int, code: str, message: str, param: str | None = None) -> dict:
-    """The error body clients of that route parse: Anthropic's on /v1/messages, OpenAI's everywhere else."""
-    if path.startswith(ANTHROPIC_PREFIX):
+    """The error body clients of that route parse: its API's (Anthropic's on /v1/messages), else OpenAI's."""
+    if envelope_of(path) == "anthropic":
         return error_envelope(status, code, message)
     return error_body(status, code, message, param)
 

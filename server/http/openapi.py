@@ -21,7 +21,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from server.http import errors
+from server.serving.apis import APIS, GENERATION_PATHS, envelope_of
 
 DOCS_STATIC = "/docs/static"
 OPEN_PATHS = frozenset({"/health", "/ready", "/docs", "/openapi.json"})  # need no key (with /metrics when set so)
@@ -40,10 +40,7 @@ STATUS_TEXT = {
     504: "request_timeout",
 }
 ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
-    ("post", "/v1/chat/completions"): GENERATION,
-    ("post", "/v1/completions"): GENERATION,
-    ("post", "/v1/responses"): GENERATION,
-    ("post", "/v1/messages"): GENERATION,
+    **{("post", path): GENERATION for path in GENERATION_PATHS},
     ("post", "/v1/messages/count_tokens"): (400, 401, 404, 413, 503),
     ("post", "/tokenize"): (400, 401, 404, 413, 503),
     ("post", "/detokenize"): (400, 401, 404, 413, 503),
@@ -61,14 +58,8 @@ ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/ready"): (503,),
     ("get", "/metrics"): (401,),
 }
-STREAMS = {
-    "/v1/chat/completions": "with stream: true, `data: {chunk}` events, then `data: [DONE]`",
-    "/v1/completions": "with stream: true, `data: {chunk}` events, then `data: [DONE]`",
-    "/v1/responses": "with stream: true, `event: <type>` / `data: {event}` pairs (response.created ... "
-    "response.completed)",
-    "/v1/messages": "with stream: true, Anthropic's events (message_start ... message_stop)",
-}
-SESSION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+STREAMS = {api.path: api.streams for api in APIS}
+SESSION_PATHS = GENERATION_PATHS
 SESSION_HEADER = {
     "name": "X-Session-ID",
     "in": "header",
@@ -167,7 +158,7 @@ def honest(schema: dict[str, Any], max_tokens_limit: int) -> dict[str, Any]:
 def _correct(path: str, method: str, operation: dict[str, Any]) -> None:
     responses = operation.setdefault("responses", {})
     responses.pop("422", None)
-    error = "AnthropicError" if path.startswith(errors.ANTHROPIC_PREFIX) else "Error"
+    error = "AnthropicError" if envelope_of(path) == "anthropic" else "Error"
     for status in ERRORS.get((method, path), (400, 401)):
         responses[str(status)] = {
             "description": STATUS_TEXT[status],

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -26,7 +25,6 @@ from server.openai.errors import ApiError
 from server.serving.tool_reader import Reading
 from server.sessions.chat import ChatMessage
 from server.sessions.record import Session, SessionKey
-from server.wire import SESSION_ID_PATTERN
 
 log = logging.getLogger("kvserve.requests")
 SESSION_HEADER = "X-Session-ID"
@@ -40,6 +38,17 @@ class Serving:
         self.settings = host.settings
         self.store = host.store
         self.metrics = metrics
+        self._later: set[asyncio.Task[object]] = set()  # held until done: the loop keeps only weak references
+
+    def later(self, work: Awaitable[object]) -> None:
+        """Run `work` on the event loop without waiting for it (what a turn that ended unfinished takes back)."""
+
+        async def run() -> object:
+            return await work
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A session-store call, on a worker thread when the store is shared (it may wait on Redis), inline
@@ -177,31 +186,6 @@ def answer_headers(admitted: Admitted, session: SessionKey | None) -> dict[str, 
     if session is not None and not session.is_bucket:
         headers[SESSION_HEADER] = session.name
     return headers
-
-
-class NamesSession(Protocol):
-    """A request body that may name a session (session_id) or a cache bucket (prompt_cache_key)."""
-
-    @property
-    def session_id(self) -> str | None: ...
-    @property
-    def prompt_cache_key(self) -> str | None: ...
-
-
-def session_key(req: NamesSession, http: Request, tenant: str) -> SessionKey | None:
-    """The body's session_id or the X-Session-ID header (they must agree), else a prompt_cache_key bucket."""
-    header = http.headers.get(SESSION_HEADER)
-    if header is not None:
-        if not re.fullmatch(SESSION_ID_PATTERN, header):
-            raise ApiError(400, "invalid_parameter", "session ids are 1-128 characters of [A-Za-z0-9_-]", "session_id")
-        if req.session_id is not None and req.session_id != header:
-            raise ApiError(400, "invalid_parameter", "body session_id and X-Session-ID header differ", "session_id")
-    name = req.session_id or header
-    if name is not None:
-        return SessionKey(tenant, name)
-    if req.prompt_cache_key is not None:
-        return SessionKey(tenant, req.prompt_cache_key, kind="bucket")
-    return None
 
 
 async def cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:

@@ -15,32 +15,45 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
-from starlette.responses import Response
-
-from server.anthropic.schemas import Conversation, CountTokensRequest, MessagesRequest, ToolResultBlock, ToolUseBlock
-from server.engine.request import Admitted, SamplingParams
+from server.anthropic.schemas import Conversation as Body
+from server.anthropic.schemas import CountTokensRequest, MessagesRequest, ToolResultBlock, ToolUseBlock
+from server.engine.engine import Engine
+from server.engine.request import SamplingParams
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
 from server.serving import continuation
-from server.serving.core import Serving, session_key
-from server.serving.pipeline import Placement, Renderer, Turn, run_turn
+from server.serving.core import Serving
+from server.serving.pipeline import (
+    Answer,
+    Arrival,
+    History,
+    NamedSession,
+    OnNamed,
+    Place,
+    Placement,
+    Started,
+    Turn,
+    session_key,
+)
 from server.serving.prompts import check_text_size
+from server.serving.render.base import Renderer
 from server.serving.render.messages import MessageRenderer
-from server.serving.tool_reader import Reading, ToolReader
+from server.serving.tool_reader import ToolReader
 from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, tool_call
 from server.sessions.chat import ChatMessage
 from server.sessions.errors import SessionBusy, SessionError
 from server.sessions.record import Session, SessionKey
+from server.sessions.store import SessionStore
 
 
 class Messages:
+    """The Messages API's resources beside its turns: count_tokens."""
+
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
-        self.store = serving.store
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
         loaded = self.serving.engine(req.model).loaded
@@ -49,59 +62,76 @@ class Messages:
         ids = await asyncio.to_thread(continuation.prompt_ids, loaded, messages, None, tool_use_of(req))
         return {"input_tokens": len(ids)}
 
-    async def create(self, req: MessagesRequest, http: Request, tenant: str) -> Response:
-        serving = self.serving
-        engine = serving.engine(req.model)
-        loaded = engine.loaded
-        key = session_key(req, http, tenant)
-        ttl = req.cache_ttl()
-        view = await serving.session_view(key, engine)
-        messages, ends = chat_of(req)
-        check_text_size(loaded, [m["content"] for m in messages], "messages")
-        tools = tool_use_of(req)
-        reading = Reading.of(loaded.tokenizer, tools, "msg_" + uuid.uuid4().hex, messages)
-        prefix = marked_prefix(req, messages, ends)  # the prompt up to the last breakpoint (None: none)
-        boundary = await asyncio.to_thread(prefix_len, loaded, prefix, tools) if prefix is not None else 0
-        fmt = req.output_config.format if req.output_config is not None else None
 
-        def sampling(budget: int) -> SamplingParams:
-            return SamplingParams(
-                max_tokens=budget, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or 0,
-                stop=list(req.stop_sequences or []),
-            )  # fmt: skip
+@dataclass(slots=True, frozen=True)
+class MessageAnswer(Answer):
+    """The message object, or Anthropic's events; `num_marked`: the request's messages up to its last cache_control
+    breakpoint (None: no breakpoint), whose prompt tokens are the cached part its usage reports, kept for `ttl_s`."""
 
-        async def place(num_tokens: int) -> Placement:
-            session = serving.session_for(key, num_tokens, engine)
-            named = session if session is not None and not session.is_bucket else None
-            # Made only now, every check passed (the store checks the session quota again, under its lock); a
-            # request the engine refuses takes it away again, so no empty leftover of it stays.
-            made = None
-            if named is not None and ttl is not None:
-                made = await serving.off_loop(self._create, named, engine.model_id, ttl)
-            return Placement(session, named, (lambda: self._discard(made)) if made is not None else None)
+    num_marked: int | None
+    ttl_s: float | None
 
-        def renderer(admitted: Admitted, reader: ToolReader) -> Renderer:
-            return MessageRenderer(reading.request_id, engine.model_id, reader, boundary, admitted, ttl)
-
-        turn = Turn(
-            engine, tenant, reading, key, messages, req.max_tokens, sampling, renderer, req.stream, base=view,
-            schema=fmt.schema_ if fmt is not None else None, schema_param="output_config.format", place=place,
-        )  # fmt: skip
-        return await run_turn(serving, turn, http)
-
-    async def _discard(self, made: Session) -> None:
-        with contextlib.suppress(SessionError):  # best effort: the refusal is what the client hears
-            await self.serving.off_loop(self.store.discard_unused, made)
-
-    def _create(self, key: SessionKey, model_id: str, ttl_s: float) -> Session | None:
-        """The session `key`, made with the breakpoint's TTL; None when it exists already (it keeps its own)."""
-        try:
-            return self.store.create(key, model_id, ttl_s)
-        except SessionBusy:  # there already (another request may have made it meanwhile): as wanted
-            return None
+    async def renderer(self, started: Started, reader: ToolReader) -> Renderer:
+        boundary = 0
+        messages, turn = started.conversation.messages, started.turn
+        if self.num_marked is not None and messages is not None and turn.messages is not None:
+            before = len(messages) - len(turn.messages)  # the session's system prompt, a thread's history
+            prefix = messages[: before + self.num_marked]
+            boundary = await asyncio.to_thread(prefix_len, started.engine.loaded, prefix, started.conversation.tools)
+        model_id, admitted = started.engine.model_id, started.admitted
+        return MessageRenderer(turn.request_id, model_id, reader, boundary, admitted, self.ttl_s)
 
 
-def chat_of(req: Conversation) -> tuple[list[ChatMessage], list[int]]:
+@dataclass(slots=True, frozen=True)
+class WithTtl(Place):
+    """The named session, made now with the breakpoint's TTL when it is new (it keeps its own TTL otherwise)."""
+
+    ttl_s: float
+
+    async def place(self, serving: Serving, engine: Engine, turn: Turn, num_tokens: int) -> Placement:
+        session = serving.session_for(turn.named, num_tokens, engine)
+        if session is None or session.is_bucket:
+            return Placement(session, None)
+        # Made only now, every check passed (the store checks the session quota again, under its lock); a request
+        # the engine refuses takes it away again, so no empty leftover of it stays.
+        made = await serving.off_loop(_create, serving.store, session, engine.model_id, self.ttl_s)
+        if made is None:
+            return Placement(session, session)
+        return Placement(session, session, lambda: _discard(serving, made))
+
+
+async def _discard(serving: Serving, made: Session) -> None:
+    with contextlib.suppress(SessionError):  # best effort: the refusal is what the client hears
+        await serving.off_loop(serving.store.discard_unused, made)
+
+
+def _create(store: SessionStore, key: SessionKey, model_id: str, ttl_s: float) -> Session | None:
+    """The session `key`, made with the breakpoint's TTL; None when it exists already (it keeps its own)."""
+    try:
+        return store.create(key, model_id, ttl_s)
+    except SessionBusy:  # there already (another request may have made it meanwhile): as wanted
+        return None
+
+
+def read_message(req: MessagesRequest, arrival: Arrival) -> Turn:
+    """A Messages API request as a turn: its conversation in chat's normal form, on the session it names."""
+    named = session_key(req, arrival)
+    messages, ends = chat_of(req)
+    ttl = req.cache_ttl()
+    history: History = NamedSession()
+    place: Place = WithTtl(ttl) if ttl is not None else OnNamed()
+    fmt = req.output_config.format if req.output_config is not None else None
+    sampling = SamplingParams(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or 0, stop=list(req.stop_sequences or [])
+    )
+    return Turn(
+        req.model, arrival.tenant, arrival.request_id, named, history, place, MessageAnswer(num_marked(req, ends), ttl),
+        messages=messages, tools=tool_use_of(req), sampling=sampling, max_tokens=req.max_tokens, stream=req.stream,
+        schema=fmt.schema_ if fmt is not None else None, schema_param="output_config.format",
+    )  # fmt: skip
+
+
+def chat_of(req: Body) -> tuple[list[ChatMessage], list[int]]:
     """Chat's normal form of the conversation, and after each request message how many chat messages there are."""
     messages: list[ChatMessage] = []
     if req.system:
@@ -126,27 +156,32 @@ def chat_of(req: Conversation) -> tuple[list[ChatMessage], list[int]]:
     return messages, ends
 
 
-def tool_use_of(req: Conversation) -> ToolUse | None:
+def tool_use_of(req: Body) -> ToolUse | None:
     if not req.tools:
         return None
     specs = tuple(ToolSpec(t.name, t.description, t.input_schema or NO_PARAMETERS) for t in req.tools)
+    return ToolUse(specs, *_choice(req))
+
+
+def _choice(req: Body) -> tuple[str, str | None, bool]:
+    """The request's tool_choice as ToolUse's (choice, function, parallel)."""
     choice, parallel = req.tool_choice, not (req.tool_choice and req.tool_choice.disable_parallel_tool_use)
     if choice is None or choice.type == "auto":
-        return ToolUse(specs, "auto", None, parallel)
+        return "auto", None, parallel
     if choice.type == "tool":
-        return ToolUse(specs, "function", choice.name, parallel)
-    return ToolUse(specs, "required" if choice.type == "any" else "none", None, parallel)
+        return "function", choice.name, parallel
+    return "required" if choice.type == "any" else "none", None, parallel
 
 
-def marked_prefix(req: Conversation, messages: list[ChatMessage], ends: list[int]) -> list[ChatMessage] | None:
-    """The messages up to the last cache_control breakpoint (None: no breakpoint)."""
+def num_marked(req: Body, ends: list[int]) -> int | None:
+    """How many of the request's chat messages come before its last cache_control breakpoint (None: none)."""
     marked = [i for i, m in enumerate(req.messages) if not isinstance(m.content, str) and _has_mark(m.content)]
     if isinstance(req, MessagesRequest) and req.cache_control is not None:  # on the last block: all of it
         marked = [len(req.messages) - 1]
     if marked:
-        return messages[: ends[marked[-1]]]
+        return ends[marked[-1]]
     if (isinstance(req.system, list) and _has_mark(req.system)) or any(t.cache_control for t in req.tools or []):
-        return messages[:1] if req.system else []
+        return 1 if req.system else 0
     return None
 
 

@@ -8,7 +8,7 @@ import re
 from server.engine.request import SamplingParams
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
-from server.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.openai.schemas import ChatCompletionRequest, SamplingFields
 from server.openai.schemas import ChatMessage as RequestMessage
 from server.serving.tools import ToolUse, content_beside_calls, tool_call
 from server.sessions.chat import ChatMessage
@@ -40,8 +40,7 @@ def check_chat_size(loaded: LoadedModel, messages: list[ChatMessage], tools: Too
         check_text_size(loaded, [*texts, definitions], "tools")
 
 
-def completion_ids(req: CompletionRequest, loaded: LoadedModel) -> list[int]:
-    prompt = req.single_prompt()
+def completion_ids(prompt: str | list[int], loaded: LoadedModel) -> list[int]:
     if isinstance(prompt, str):
         ids: list[int] = loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
@@ -69,9 +68,10 @@ def _message(message: RequestMessage) -> ChatMessage:
     return out
 
 
-def sampling_params(req: SamplingFields, loaded: LoadedModel, budget: int, num_logprobs: int | None) -> SamplingParams:
+def sampling_of(req: SamplingFields, num_logprobs: int | None) -> SamplingParams:
+    """Chat and completions' sampling fields (max_tokens set by the pipeline from the output budget); token ids
+    are checked against the model's vocabulary by `checked_sampling`."""
     return SamplingParams(
-        max_tokens=budget,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=max(req.top_k, 0),
@@ -79,13 +79,20 @@ def sampling_params(req: SamplingFields, loaded: LoadedModel, budget: int, num_l
         repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        logit_bias=_logit_bias(req, loaded.vocab_size),
+        logit_bias=_logit_bias(req),
         seed=req.seed,
         num_logprobs=num_logprobs,
         stop=req.stop_list(),
-        stop_token_ids=checked_ids(req.stop_token_ids or [], loaded.vocab_size, "stop_token_ids"),
+        stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
     )
+
+
+def checked_sampling(params: SamplingParams, loaded: LoadedModel) -> SamplingParams:
+    """`params` when every token id it names is in the model's vocabulary, else a 400 naming the field."""
+    checked_ids(list(params.logit_bias), loaded.vocab_size, "logit_bias")
+    checked_ids(params.stop_token_ids, loaded.vocab_size, "stop_token_ids")
+    return params
 
 
 def output_budget(loaded: LoadedModel, num_prompt: int, max_tokens: int | None, settings: Settings) -> int:
@@ -110,13 +117,12 @@ def output_budget(loaded: LoadedModel, num_prompt: int, max_tokens: int | None, 
     return max_tokens
 
 
-def _logit_bias(req: SamplingFields, vocab_size: int) -> dict[int, float]:
+def _logit_bias(req: SamplingFields) -> dict[int, float]:
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
         if not re.fullmatch(r"-?[0-9]{1,9}", key):
             raise ApiError(400, "invalid_parameter", "logit_bias keys must be token ids", "logit_bias")
         bias[int(key)] = value
-    checked_ids(list(bias), vocab_size, "logit_bias")
     return bias
 
 

@@ -16,35 +16,44 @@ session's state once the turn is recorded, before the final event is sent.
 from __future__ import annotations
 
 import re
-import time
-import uuid
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from fastapi import Request
-from starlette.responses import Response
-
-from server.engine.request import Admitted, SamplingParams
+from server.engine.engine import Engine
+from server.engine.request import SamplingParams
 from server.openai.errors import ApiError
 from server.openai.response_objects import response_object
 from server.openai.responses import RESPONSE_ID_PATTERN, ResponseRequest
 from server.serving import structured
-from server.serving.core import Serving, session_key
-from server.serving.pipeline import Placement, Renderer, Turn, run_turn
-from server.serving.prompts import check_text_size
+from server.serving.core import Serving
+from server.serving.pipeline import (
+    Answer,
+    Arrival,
+    Conversation,
+    History,
+    Place,
+    Placement,
+    Started,
+    Turn,
+    session_key,
+)
+from server.serving.render.base import Renderer
 from server.serving.render.responses import KIND, ResponseRenderer, not_found, result
 from server.serving.response_items import messages_of, resolve, stored_items
-from server.serving.tool_reader import Reading, ToolReader
+from server.serving.tool_reader import ToolReader
 from server.serving.tools import responses_tool_use
 from server.sessions.chat import ChatMessage
 from server.sessions.record import CompletedTurn, Session, SessionKey
+from server.sessions.store import SessionStore
 
 
-def request_fields(req: ResponseRequest, items: list[dict[str, Any]]) -> dict[str, Any]:
+def request_fields(req: ResponseRequest, items: list[dict[str, Any]], created_at: int) -> dict[str, Any]:
     """A new response's record: what the Response object repeats of its request, its input, its status."""
     choice = req.tool_choice
     fmt = req.text.format if req.text is not None and req.text.format is not None else None
     return {
-        "created_at": int(time.time()),
+        "created_at": created_at,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
         "temperature": req.temperature,
@@ -68,6 +77,8 @@ def record_turn(extras: dict[str, Any], turn: CompletedTurn) -> None:
 
 
 class Responses:
+    """The Responses API's resources beside its turns: stored responses read, listed and deleted."""
+
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
         self.store = serving.store
@@ -77,76 +88,8 @@ class Responses:
             if view is not None and view.extras.get("status") == "in_progress":
                 self.store.delete(key)
 
-    async def _parent(self, req: ResponseRequest, tenant: str, model_id: str) -> Session | None:
-        if req.previous_response_id is None:
-            return None
-        parent = await self.serving.off_loop(self._stored, tenant, req.previous_response_id)
-        if parent is None or parent.extras.get("status") not in ("completed", "incomplete"):
-            raise not_found(req.previous_response_id, "previous_response_id")
-        if parent.model_id != model_id:
-            message = f"the previous response was made by model {parent.model_id!r}"
-            raise ApiError(400, "session_model_mismatch", message, "model")
-        return parent
-
     def _stored(self, tenant: str, response_id: str) -> Session | None:
-        key = _stored_key(tenant, response_id)
-        return self.store.view(key) if key is not None else None
-
-    def _messages(self, req: ResponseRequest, parent: Session | None, items: list[dict[str, Any]]) -> list[ChatMessage]:
-        """Instructions apply to this response only; the conversation is the parent's plus the new input."""
-        history: list[ChatMessage] = []
-        if parent is not None:
-            history = parent.messages[1:] if parent.extras.get("instructions") is not None else parent.messages
-        if req.instructions is not None:
-            history = [{"role": "system", "content": req.instructions}, *history]
-        return history + messages_of(items)
-
-    async def create(self, req: ResponseRequest, http: Request, tenant: str) -> Response:
-        serving = self.serving
-        engine = serving.engine(req.model)
-        named = session_key(req, http, tenant)
-        session = named if named is not None and not named.is_bucket else None  # the turn runs there
-        parent = await self._parent(req, tenant, engine.model_id)
-        response_id = "resp_" + uuid.uuid4().hex
-        items = stored_items(response_id, req)
-        resolved = await serving.off_loop(resolve, items, lambda rid: self._stored(tenant, rid))
-        messages = self._messages(req, parent, resolved)
-        check_text_size(engine.loaded, [m["content"] for m in messages], "input")
-        tools = responses_tool_use(req)
-        reading = Reading.of(engine.loaded.tokenizer, tools, response_id, messages)
-        base = await serving.session_view(session, engine) if session is not None else parent
-        fmt = req.text.format if req.text is not None else None
-        record = request_fields(req, items)
-        key = SessionKey(tenant, response_id, KIND) if req.store else None  # the stored response's record
-
-        def sampling(budget: int) -> SamplingParams:
-            return SamplingParams(max_tokens=budget, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
-
-        async def place(num_tokens: int) -> Placement:
-            if key is not None:
-                serving.check_quota(key, num_tokens, engine)  # before the record exists
-            if session is not None:
-                return Placement(serving.session_for(session, num_tokens, engine), session)
-            kv_source = parent.key if parent is not None else None
-            if key is None:
-                return Placement(serving.session_for(named, num_tokens, engine), kv_source)
-            # The record is the engine's session: it records the turn; a request the engine refuses leaves none
-            ttl = serving.settings.response_retention_s
-            await serving.off_loop(
-                self.store.create, key, engine.model_id, ttl, parent=req.previous_response_id, extras=dict(record)
-            )
-            return Placement(key, kv_source, lambda: serving.off_loop(self.store.delete, key))
-
-        def renderer(admitted: Admitted, reader: ToolReader) -> Renderer:
-            parent_id = req.previous_response_id
-            return ResponseRenderer(response_id, engine.model_id, record, parent_id, serving, reader, key, session)
-
-        turn = Turn(
-            engine, tenant, reading, named, messages, req.max_output_tokens, sampling, renderer, req.stream, base=base,
-            schema=structured.schema_of(fmt.type, fmt.schema_) if fmt is not None else None,
-            schema_param="text.format", use_cache=req.cache_prompt, place=place,
-        )  # fmt: skip
-        return await run_turn(serving, turn, http)
+        return stored(self.store, tenant, response_id)
 
     def get(self, response_id: str, tenant: str) -> dict[str, Any]:
         view = self._stored(tenant, response_id)
@@ -174,6 +117,107 @@ class Responses:
         if key is None or not self.store.delete(key):
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def stored(store: SessionStore, tenant: str, response_id: str) -> Session | None:
+    key = _stored_key(tenant, response_id)
+    return store.view(key) if key is not None else None
+
+
+@dataclass(slots=True, frozen=True)
+class ResponseHistory(History):
+    """The conversation of a response: its `previous_response_id`'s (instructions apply to one response only), then
+    the new input items, references resolved; on a named session, that session's transcript is continued."""
+
+    parent_id: str | None
+    instructions: str | None
+    items: list[dict[str, Any]]
+    session: SessionKey | None  # the named session the turn runs on (None: none, or a bucket)
+
+    async def read(self, serving: Serving, engine: Engine, turn: Turn) -> Conversation:
+        parent = await self._parent(serving, turn.tenant, engine.model_id)
+        lookup = partial(stored, serving.store, turn.tenant)
+        resolved = await serving.off_loop(resolve, self.items, lookup)
+        history: list[ChatMessage] = []
+        if parent is not None:
+            history = parent.messages[1:] if parent.extras.get("instructions") is not None else parent.messages
+        if self.instructions is not None:
+            history = [{"role": "system", "content": self.instructions}, *history]
+        base = await serving.session_view(self.session, engine) if self.session is not None else parent
+        return Conversation(history + messages_of(resolved), base, turn.tools)
+
+    async def _parent(self, serving: Serving, tenant: str, model_id: str) -> Session | None:
+        if self.parent_id is None:
+            return None
+        parent = await serving.off_loop(stored, serving.store, tenant, self.parent_id)
+        if parent is None or parent.extras.get("status") not in ("completed", "incomplete"):
+            raise not_found(self.parent_id, "previous_response_id")
+        if parent.model_id != model_id:
+            message = f"the previous response was made by model {parent.model_id!r}"
+            raise ApiError(400, "session_model_mismatch", message, "model")
+        return parent
+
+
+@dataclass(slots=True, frozen=True)
+class ResponsePlace(Place):
+    """A stored response (`store`) is a record the engine records the turn in, made now; on a named session the
+    turn runs there and the record is written from the session's state once the turn is recorded."""
+
+    stored: SessionKey | None  # the stored response's record (None: store=false)
+    parent_id: str | None
+    session: SessionKey | None
+    record: dict[str, Any]
+
+    async def place(self, serving: Serving, engine: Engine, turn: Turn, num_tokens: int) -> Placement:
+        key = self.stored
+        if key is not None:
+            serving.check_quota(key, num_tokens, engine)  # before the record exists
+        if self.session is not None:
+            return Placement(serving.session_for(self.session, num_tokens, engine), self.session)
+        kv_source = SessionKey(turn.tenant, self.parent_id, KIND) if self.parent_id is not None else None
+        if key is None:
+            return Placement(serving.session_for(turn.named, num_tokens, engine), kv_source)
+        # The record is the engine's session: it records the turn; a request the engine refuses leaves none
+        ttl = serving.settings.response_retention_s
+        record = dict(self.record)
+        await serving.off_loop(serving.store.create, key, engine.model_id, ttl, parent=self.parent_id, extras=record)
+        return Placement(key, kv_source, lambda: serving.off_loop(serving.store.delete, key))
+
+
+@dataclass(slots=True, frozen=True)
+class ResponseAnswer(Answer):
+    """The Response object, or its events; the stored record (`stored`, `session`: as for ResponsePlace)."""
+
+    record: dict[str, Any]
+    parent_id: str | None
+    stored: SessionKey | None
+    session: SessionKey | None
+
+    async def renderer(self, started: Started, reader: ToolReader) -> Renderer:
+        turn, model_id = started.turn, started.engine.model_id
+        args = (self.record, self.parent_id, started.serving, reader, self.stored, self.session)
+        return ResponseRenderer(turn.request_id, model_id, *args)
+
+
+def read_response(req: ResponseRequest, arrival: Arrival) -> Turn:
+    """A Responses API request as a turn: after its previous response, or on the session it names."""
+    named = session_key(req, arrival)
+    session = named if named is not None and not named.is_bucket else None  # the turn runs there
+    response_id = arrival.request_id
+    items = stored_items(response_id, req)
+    record = request_fields(req, items, arrival.received_at)
+    key = SessionKey(arrival.tenant, response_id, KIND) if req.store else None  # the stored response's record
+    fmt = req.text.format if req.text is not None else None
+    parent_id = req.previous_response_id
+    return Turn(
+        req.model, arrival.tenant, response_id, named, ResponseHistory(parent_id, req.instructions, items, session),
+        ResponsePlace(key, parent_id, session, record), ResponseAnswer(record, parent_id, key, session),
+        tools=responses_tool_use(req),
+        sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed),
+        max_tokens=req.max_output_tokens, stream=req.stream,
+        schema=structured.schema_of(fmt.type, fmt.schema_) if fmt is not None else None,
+        schema_param="text.format", text_param="input", use_cache=req.cache_prompt,
+    )  # fmt: skip
 
 
 def _stored_key(tenant: str, response_id: str) -> SessionKey | None:

@@ -84,7 +84,7 @@ class Sessions:
     async def _prefill(self, engine: Engine, key: SessionKey, ids: list[int], messages: list[ChatMessage]) -> None:
         """Compute the system prompt's K/V now (the session's base): a request that generates nothing."""
         gen = self.serving.request(
-            reading=Reading(None, "", f"prefill-{uuid.uuid4().hex}"),
+            reading=Reading.plain(f"prefill-{uuid.uuid4().hex}"),
             prompt_ids=ids,
             params=SamplingParams(max_tokens=0),
             tenant=key.tenant,

@@ -18,6 +18,7 @@ from server.engine.grammar import Constraint, GrammarError, Grammars
 from server.openai.errors import ApiError
 from server.openai.formats import ResponseFormat
 from server.serving import tools as tool_calls
+from server.serving.call_syntax import CallSyntax
 from server.serving.json_schema import finite_document_problem
 from server.serving.tools import ToolUse
 
@@ -38,7 +39,7 @@ def format_schema(response_format: ResponseFormat | None) -> dict[str, Any] | No
 
 
 async def constraint(
-    engine: Engine, schema: dict[str, Any] | None, tools: ToolUse | None, style: str, format_param: str
+    engine: Engine, schema: dict[str, Any] | None, tools: ToolUse | None, syntax: CallSyntax, format_param: str
 ) -> Constraint | None:
     """The request's grammar, compiled (None: free text). `format_param`: the API's name of its output format
     (response_format, text.format, output_config.format). Forced calls' grammar is walked from each function's
@@ -51,8 +52,8 @@ async def constraint(
             problem = finite_document_problem(tool_calls.forced_arguments(spec.parameters))
             if problem is not None:
                 raise refused(f"function '{spec.name}' parameters: {problem}", "tools")
-        starts = {f"function '{s.name}'": tool_calls.call_start(s.name, style) for s in specs}
-        grammar, param = Grammars.lark(tool_calls.grammar(tools, style)), "tools"
+        starts = {f"function '{s.name}'": syntax.start(s.name) for s in specs}
+        grammar, param = Grammars.lark(tool_calls.grammar(tools, syntax)), "tools"
     elif schema is None:
         return None
     else:

@@ -18,10 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.openai.formats import JSON
+from server.serving.call_syntax import CALL_CLOSE, CALL_OPEN, HERMES, PYTHON_TAG, CallSyntax
 from server.serving.tools import (
-    CALL_CLOSE,
-    CALL_OPEN,
-    PYTHON_TAG,
     RESPONSE_CLOSE,
     RESPONSE_OPEN,
     ToolUse,
@@ -46,7 +44,7 @@ class ToolReader:
     the tool-response blocks it hides)."""
 
     tools: ToolUse | None
-    style: str
+    syntax: CallSyntax
     request_id: str
     hides_responses: bool = False  # <tool_response> blocks are the prompt's imitated, never content
     calls: list[ToolCall] = field(default_factory=list)
@@ -57,7 +55,7 @@ class ToolReader:
     _since_first_call: str = ""  # everything from the first call's start: content after all if no call parses
     _in_calls: bool = False
     _in_response: bool = False  # inside a <tool_response> block the model wrote: dropped
-    _json_reply: bool | None = None  # llama3_json: the reply starts as a JSON object (decided on its first text)
+    _json_reply: bool | None = None  # the reply is a bare JSON call (the syntax decides, on its first text)
 
     @property
     def reads_calls(self) -> bool:
@@ -70,12 +68,11 @@ class ToolReader:
                 return text, []
             sent, _ = self._content(text)
             return sent, []
-        if self.style == "llama3_json" and self._json_reply is None:
-            opening = (self._held + text).lstrip()
-            if not opening or PYTHON_TAG.startswith(opening):
+        if self._json_reply is None:
+            self._json_reply = self.syntax.json_reply(self._held + text)
+            if self._json_reply is None:
                 self._held += text
                 return "", []  # not known yet whether the reply is a JSON call
-            self._json_reply = opening.startswith(("{", PYTHON_TAG))
             text, self._held = self._held + text, ""
         if self._json_reply:
             self._held += text
@@ -214,9 +211,9 @@ class ToolReader:
 
 
 def read_reply(
-    text: str, tools: ToolUse | None, style: str, request_id: str, hides_responses: bool = False
+    text: str, tools: ToolUse | None, syntax: CallSyntax, request_id: str, hides_responses: bool = False
 ) -> ChatMessage:
-    return ToolReader(tools, style, request_id, hides_responses).read_all(text)
+    return ToolReader(tools, syntax, request_id, hides_responses).read_all(text)
 
 
 @dataclass(slots=True, frozen=True)
@@ -226,7 +223,7 @@ class Reading:
     are hidden (the prompt wrapped a tool result in them)."""
 
     tools: ToolUse | None
-    style: str
+    syntax: CallSyntax
     request_id: str
     markers: frozenset[int] = frozenset()
     hides_responses: bool = False
@@ -238,13 +235,18 @@ class Reading:
         """`messages`: the conversation the prompt renders (whether it holds a tool result)."""
         fmt = model_tool_format(tokenizer, tools)
         hides = fmt.wraps_results and any(m["role"] == "tool" for m in messages)
-        return cls(tools, fmt.style, request_id, call_markers(tokenizer, tools), hides)
+        return cls(tools, fmt.syntax, request_id, call_markers(tokenizer, tools), hides)
+
+    @classmethod
+    def plain(cls, request_id: str) -> Reading:
+        """A reply read as text: no tools (a completion, a session's prefilled system prompt)."""
+        return cls(None, HERMES, request_id)
 
     def reader(self) -> ToolReader:
-        return ToolReader(self.tools, self.style, self.request_id, self.hides_responses)
+        return ToolReader(self.tools, self.syntax, self.request_id, self.hides_responses)
 
     def reply(self, text: str) -> ChatMessage:
-        return read_reply(text, self.tools, self.style, self.request_id, self.hides_responses)
+        return read_reply(text, self.tools, self.syntax, self.request_id, self.hides_responses)
 
     @property
     def watches_repeats(self) -> bool:

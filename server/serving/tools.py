@@ -30,12 +30,11 @@ from typing import Any
 
 from server.openai.formats import JSON, NamedToolChoice, ToolFields
 from server.openai.responses import ResponseRequest
+from server.serving.call_syntax import CALL_CLOSE, CALL_OPEN, PYTHON_TAG, CallSyntax, taught_by
 from server.sessions.chat import ChatMessage, ToolCall
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"  # how the generic prompt wraps a tool result
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-PYTHON_TAG = "<|python_tag|>"
 GENERIC_PROMPT = (
     "# Tools\n\nYou can call functions to help with the request. Each one is described by a JSON schema:\n"
     "<tools>\n{tools}\n</tools>\n\nTo call a function, answer with its name and arguments as one JSON object "
@@ -106,7 +105,7 @@ def responses_tool_use(req: ResponseRequest) -> ToolUse | None:
 @dataclass(slots=True, frozen=True)
 class ToolFormat:
     native: bool  # the chat template renders tools and tool messages itself
-    style: str  # hermes | llama3_json: how the model writes a call
+    syntax: CallSyntax  # how the model writes a call
     wraps_results: bool = True  # tool results reach the prompt inside <tool_response> tags (generic prompt, Qwen...)
 
 
@@ -141,12 +140,7 @@ def tool_format(template: str | None) -> ToolFormat:
     """What a chat template expects: its own tool rendering (it uses `tools`), and the call syntax it teaches."""
     text = template or ""
     native = bool(re.search(r"\btools\b", text))
-    style = (
-        "llama3_json"
-        if native and (PYTHON_TAG in text or '"parameters"' in text) and CALL_OPEN not in text
-        else "hermes"
-    )
-    return ToolFormat(native, style, not native or RESPONSE_OPEN in text)
+    return ToolFormat(native, taught_by(template), not native or RESPONSE_OPEN in text)
 
 
 def canonical_arguments(arguments: str | dict[str, Any]) -> str:
@@ -319,18 +313,7 @@ def forced_specs(tools: ToolUse) -> list[ToolSpec]:
     return [s for s in tools.specs if tools.choice != "function" or s.name == tools.function]
 
 
-def call_opening(name: str, style: str) -> str:
-    """A forced call's text up to its arguments, compact (as the grammar writes it)."""
-    key = "parameters" if style == "llama3_json" else "arguments"
-    return f'{{"name":{json.dumps(name)},"{key}":'
-
-
-def call_start(name: str, style: str) -> str:
-    """A forced call's first text, its tag included (what the grammar forces once the function is chosen)."""
-    return (CALL_OPEN + "\n" if style == "hermes" else "") + call_opening(name, style)
-
-
-def grammar(tools: ToolUse, style: str) -> str:
+def grammar(tools: ToolUse, syntax: CallSyntax) -> str:
     """A Lark grammar (llguidance's, JSON schemas embedded) for `required` or a named choice: only calls, each
     to a declared function with arguments valid under its schema (`forced_arguments`), one or (with
     parallel_tool_calls) more. Each call's opening is literal text up to its arguments (`{"name":"f",
@@ -341,13 +324,8 @@ def grammar(tools: ToolUse, style: str) -> str:
             **forced_arguments(spec.parameters or {"type": "object"}),
             "x-guidance": {"whitespace_flexible": False},
         }
-        opening = json.dumps(call_opening(spec.name, style))
+        opening = json.dumps(syntax.opening(spec.name))
         rules.append(f'fn{index}: {opening} args{index} "}}"\nargs{index}: %json {json.dumps(schema)}')
         names.append(f"fn{index}")
     body = "body: " + " | ".join(names) + "\n" + "\n".join(rules)
-    many = tools.parallel and tools.choice != "function"
-    if style == "llama3_json":
-        more = ' (";" body)*' if many else ""
-        return f"start: body{more}\n{body}\n"
-    more = ' ("\\n" call)*' if many else ""
-    return f'start: call{more}\ncall: "{CALL_OPEN}\\n" body "\\n{CALL_CLOSE}"\n{body}\n'
+    return syntax.grammar(body, is_many=tools.parallel and tools.choice != "function")

@@ -245,12 +245,10 @@ def test_a_lone_surrogate_names_where_it_is_and_stores_nothing(server):
 
 
 def test_an_unexpected_500_keeps_the_connection(server, monkeypatch):
-    from server.serving.completions import Completions
-
-    async def broken(self, *args):
+    async def broken(*args):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(Completions, "completion", broken)
+    monkeypatch.setattr("server.http.routes.generation.run_turn", broken)
     host, port = server[0].removeprefix("http://").split(":")
     body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 1}).encode()
     request = (

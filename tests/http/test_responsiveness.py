@@ -91,7 +91,7 @@ async def test_tokenising_leaves_the_event_loop(crowded, monkeypatch, endpoint):
         path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}
     else:
         held = Held(prompts.completion_ids)
-        monkeypatch.setattr("server.serving.completions.completion_ids", held)
+        monkeypatch.setattr("server.serving.pipeline.completion_ids", held)
         path, body = "/v1/completions", {"prompt": "Hi"}
 
     async def send() -> httpx.Response:

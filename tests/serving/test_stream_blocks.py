@@ -8,6 +8,7 @@ import jiter
 
 from server.anthropic.answers import tool_input
 from server.engine.request import Admitted, Finished, TextDelta
+from server.serving.call_syntax import HERMES, LLAMA3_JSON
 from server.serving.render.messages import MessageRenderer
 from server.serving.tool_reader import ToolReader
 from server.serving.tools import ToolSpec, ToolUse
@@ -18,7 +19,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
 
 def message_blocks(reader: ToolReader | None = None) -> MessageRenderer:
     """A Messages reply's renderer, for its content blocks' events (its reader reads no calls unless given one)."""
-    reader = reader or ToolReader(None, "hermes", "msg_1")
+    reader = reader or ToolReader(None, HERMES, "msg_1")
     return MessageRenderer("msg_1", "m", reader, 0, Admitted(1, 0, "none"), None)
 
 
@@ -64,14 +65,14 @@ async def test_a_streamed_reply_whose_held_back_text_is_a_call_stops_for_tool_us
     """A Llama-3 reply that is one JSON call is held back until it ends: the call comes out at the end, and the
     stop reason, told after it, is tool_use, as in the answer's JSON."""
     tools = ToolUse((ToolSpec("f", None, {"type": "object"}),))
-    blocks = message_blocks(ToolReader(tools, "llama3_json", "msg_1"))
+    blocks = message_blocks(ToolReader(tools, LLAMA3_JSON, "msg_1"))
     reply, finished = '{"name": "f", "parameters": {"a": 1}}', Finished("stop", Usage(1, 3, 0))
     assert blocks.delta(TextDelta(reply, [1, 2, 3])) == []  # held back: a call, or text, is known at the end
     events = [json.loads(sse.data) for sse in await blocks.finished(finished)]
     assert [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"] == ["tool_use"]
     (end,) = [e for e in events if e["type"] == "message_delta"]
     assert end["delta"]["stop_reason"] == "tool_use"
-    answer = await message_blocks(ToolReader(tools, "llama3_json", "msg_1")).body(finished, reply, [])
+    answer = await message_blocks(ToolReader(tools, LLAMA3_JSON, "msg_1")).body(finished, reply, [])
     assert answer["stop_reason"] == "tool_use"
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from server.anthropic.answers import tool_input
 from server.engine.grammar import Grammars
+from server.serving.call_syntax import HERMES, LLAMA3_JSON, CallSyntax
 from server.serving.tool_reader import Reading, ToolReader, read_reply
 from server.serving.tools import (
     MAX_FORCED_STRING,
@@ -29,8 +30,8 @@ REPLY = (
 )
 
 
-def streamed(text: str, size: int, tools: ToolUse = TOOLS, style: str = "hermes") -> tuple[str, list, dict]:
-    reader = ToolReader(tools, style, "req")
+def streamed(text: str, size: int, tools: ToolUse = TOOLS, syntax: CallSyntax = HERMES) -> tuple[str, list, dict]:
+    reader = ToolReader(tools, syntax, "req")
     content, calls = "", []
     for start in range(0, len(text), size):
         sent, found = reader.feed(text[start : start + size])
@@ -60,7 +61,7 @@ def test_calls_are_the_same_in_any_split_and_whole(size):
         ("get_weather", '{"city":"Paris"}'),
         ("add", '{"a":1,"b":2}'),
     ]
-    assert message == read_reply(REPLY, TOOLS, "hermes", "req")  # streamed or whole: one answer, the same ids
+    assert message == read_reply(REPLY, TOOLS, HERMES, "req")  # streamed or whole: one answer, the same ids
 
 
 def test_text_that_only_looks_like_a_call_stays_content():
@@ -71,36 +72,36 @@ def test_text_that_only_looks_like_a_call_stays_content():
         '<tool_call>{"name": {"add": 1}, "arguments": {}}</tool_call>',
         "<tool",
     ):
-        assert read_reply(text, TOOLS, "hermes", "r") == {"role": "assistant", "content": text}
+        assert read_reply(text, TOOLS, HERMES, "r") == {"role": "assistant", "content": text}
 
 
 def test_without_parallel_calls_only_the_first_counts():
     single = ToolUse(TOOLS.specs, parallel=False)
-    message = read_reply(REPLY, single, "hermes", "r")
+    message = read_reply(REPLY, single, HERMES, "r")
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
 
 
 def test_a_llama3_reply_that_is_a_json_call_is_a_call():
     text = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}'
-    content, calls, _ = streamed(text, 3, style="llama3_json")
+    content, calls, _ = streamed(text, 3, syntax=LLAMA3_JSON)
     assert content == ""
     assert calls[0]["function"] == {"name": "add", "arguments": '{"a":1,"b":2}'}
-    assert read_reply("The answer is 3.", TOOLS, "llama3_json", "r")["content"] == "The answer is 3."
+    assert read_reply("The answer is 3.", TOOLS, LLAMA3_JSON, "r")["content"] == "The answer is 3."
     two = '{"name": "add", "parameters": {"a": ";"}}; {"name": "get_weather", "parameters": {"q": "SELECT 1;"}}'
-    message = read_reply(two, TOOLS, "llama3_json", "r")
+    message = read_reply(two, TOOLS, LLAMA3_JSON, "r")
     assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"a":";"}', '{"q":"SELECT 1;"}']
 
 
 def test_tool_choice_none_reads_no_calls():
     none = ToolUse(TOOLS.specs, choice="none")
-    assert read_reply(REPLY, none, "hermes", "r") == {"role": "assistant", "content": REPLY}
+    assert read_reply(REPLY, none, HERMES, "r") == {"role": "assistant", "content": REPLY}
 
 
 def test_a_template_says_whether_it_renders_tools_and_how_calls_look():
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}").native is False
     assert tool_format("{% if tools %}<tool_call>{% endif %}") == tool_format("{{ tools }} <tool_call>")
-    assert tool_format("{% if tools %}<tool_call>{% endif %}").style == "hermes"
-    assert tool_format('{{ tools }} "parameters" <|python_tag|>').style == "llama3_json"
+    assert tool_format("{% if tools %}<tool_call>{% endif %}").syntax is HERMES
+    assert tool_format('{{ tools }} "parameters" <|python_tag|>').syntax is LLAMA3_JSON
 
 
 def test_a_tokenizer_with_named_templates_uses_the_one_transformers_would():
@@ -118,39 +119,39 @@ WHOLE = '<tool_call>{"name":"add","arguments":{"a":1}}</tool_call>'
 
 @pytest.mark.parametrize("size", [1, 3, 1000])
 @pytest.mark.parametrize(
-    ("text", "tools", "style", "content", "calls", "is_cut"),
+    ("text", "tools", "syntax", "content", "calls", "is_cut"),
     [  # a reply max_tokens cut inside a call block: the call so far when its name is whole, else nothing
-        ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Par', FORCED, "hermes", "",
+        ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Par', FORCED, HERMES, "",
          [("get_weather", '{"city":"Par')], True),
-        ('Let me check. <tool_call>\n{"name": "add", "arguments": {"a": 1', TOOLS, "hermes", "Let me check. ",
+        ('Let me check. <tool_call>\n{"name": "add", "arguments": {"a": 1', TOOLS, HERMES, "Let me check. ",
          [("add", '{"a": 1')], True),
-        ('<tool_call>\n{"name":"add",', FORCED, "hermes", "", [("add", "")], True),
-        ('Let me check. <tool_call>\n{"name": "get_wea', TOOLS, "hermes", "Let me check. ", [], False),
-        ('a <tool_call>{bad}</tool_call> b <tool_call>{"name": "rm", "arguments": {', TOOLS, "hermes",
+        ('<tool_call>\n{"name":"add",', FORCED, HERMES, "", [("add", "")], True),
+        ('Let me check. <tool_call>\n{"name": "get_wea', TOOLS, HERMES, "Let me check. ", [], False),
+        ('a <tool_call>{bad}</tool_call> b <tool_call>{"name": "rm", "arguments": {', TOOLS, HERMES,
          "a <tool_call>{bad}</tool_call> b ", [], False),
-        ("<tool_", FORCED, "hermes", "", [], False),
-        ('<tool_call>{"name":"add","arguments":{"a":1}}\n', TOOLS, "hermes", "", [("add", '{"a":1}')], False),
-        (WHOLE + '\n<tool_call>{"name":"get_weather","arguments":{"ci', FORCED, "hermes", "",
+        ("<tool_", FORCED, HERMES, "", [], False),
+        ('<tool_call>{"name":"add","arguments":{"a":1}}\n', TOOLS, HERMES, "", [("add", '{"a":1}')], False),
+        (WHOLE + '\n<tool_call>{"name":"get_weather","arguments":{"ci', FORCED, HERMES, "",
          [("add", '{"a":1}'), ("get_weather", '{"ci')], True),
-        ('{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"b": ', TOOLS, "llama3_json", "",
+        ('{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"b": ', TOOLS, LLAMA3_JSON, "",
          [("add", '{"a":1}'), ("add", '{"b": ')], True),
-        ('{"name":"ad', FORCED, "llama3_json", "", [], False),
+        ('{"name":"ad', FORCED, LLAMA3_JSON, "", [], False),
     ],
 )  # fmt: skip
 def test_a_block_the_reply_ended_inside_is_a_call_cut_short_or_nothing(
-    size, text, tools, style, content, calls, is_cut
+    size, text, tools, syntax, content, calls, is_cut
 ):
-    streamed_content, streamed_calls, message = streamed(text, size, tools, style)
+    streamed_content, streamed_calls, message = streamed(text, size, tools, syntax)
     assert streamed_content == content  # never the block's markup
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed_calls] == calls
-    reader = ToolReader(tools, style, "req")
+    reader = ToolReader(tools, syntax, "req")
     assert reader.read_all(text) == message  # whole or streamed: one answer, the one the session records
     assert reader.is_cut is is_cut
 
 
 def test_without_parallel_calls_a_cut_second_call_is_dropped():
     single = ToolUse(TOOLS.specs, choice="required", parallel=False)
-    reader = ToolReader(single, "hermes", "r")
+    reader = ToolReader(single, HERMES, "r")
     message = reader.read_all(WHOLE + '\n<tool_call>{"name":"add","arguments":{"a":')
     assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"a":1}']
     assert not reader.is_cut
@@ -188,16 +189,16 @@ def test_numbers_past_a_float_and_non_json_constants_never_break_an_answer():
     """A float past its range would become inf, which no JSON answer can hold (a 500 writing it): such a number
     stays exact, as an int, up to the digits an answer can write; NaN is no JSON and 1e999999999 no number to
     hold, so a block holding one is no call."""
-    whole = read_reply('<tool_call>{"name":"add","arguments":{"a":1e999,"b":2.5}}</tool_call>', TOOLS, "hermes", "r")
+    whole = read_reply('<tool_call>{"name":"add","arguments":{"a":1e999,"b":2.5}}</tool_call>', TOOLS, HERMES, "r")
     arguments = whole["tool_calls"][0]["function"]["arguments"]
     assert json.loads(arguments, parse_constant=float) == {"a": 10**999, "b": 2.5}
     assert "Infinity" not in arguments
     assert tool_input(arguments) == {"a": 10**999, "b": 2.5}
-    cut = read_reply('<tool_call>{"name":"add","arguments":{"a":-2E+999,"b":', FORCED, "hermes", "r")
+    cut = read_reply('<tool_call>{"name":"add","arguments":{"a":-2E+999,"b":', FORCED, HERMES, "r")
     assert tool_input(cut["tool_calls"][0]["function"]["arguments"]) == {"a": -2 * 10**999}
     for number in ("NaN", "1e999999999"):  # no JSON; a number of a billion digits (its int would never finish)
         text = f'<tool_call>{{"name":"add","arguments":{{"a":{number}}}}}</tool_call>'
-        assert read_reply(text, TOOLS, "hermes", "r") == {"role": "assistant", "content": text}
+        assert read_reply(text, TOOLS, HERMES, "r") == {"role": "assistant", "content": text}
         assert tool_input(f'{{"b":1,"a":{number}}}') == {}  # text that is no JSON gives no input
 
 
@@ -218,22 +219,22 @@ ECHO = 'It is <tool_response>\n{"sky": "clear", "temp": 21}\n</tool_response> su
     ],
 )
 def test_a_tool_response_the_model_writes_is_dropped_in_every_split(tools, text, content):
-    for streamed_content, calls, message in split_everywhere(lambda: ToolReader(tools, "hermes", "r", True), text):
+    for streamed_content, calls, message in split_everywhere(lambda: ToolReader(tools, HERMES, "r", True), text):
         assert streamed_content == content
         assert not calls
-        assert message == read_reply(text, tools, "hermes", "r", True) == {"role": "assistant", "content": content}
+        assert message == read_reply(text, tools, HERMES, "r", True) == {"role": "assistant", "content": content}
 
 
 def test_a_tool_response_beside_a_call_is_dropped_and_the_call_read():
     text = '<tool_response>{"a": 1}</tool_response>Again: ' + WHOLE
-    for content, calls, message in split_everywhere(lambda: ToolReader(TOOLS, "hermes", "r", True), text):
+    for content, calls, message in split_everywhere(lambda: ToolReader(TOOLS, HERMES, "r", True), text):
         assert content == "Again: "
         assert [c["function"]["arguments"] for c in calls] == ['{"a":1}']
-        assert message == read_reply(text, TOOLS, "hermes", "r", True)
+        assert message == read_reply(text, TOOLS, HERMES, "r", True)
 
 
 def test_a_tool_response_is_content_where_the_prompt_holds_none():
-    assert read_reply(ECHO, TOOLS, "hermes", "r") == {"role": "assistant", "content": ECHO}
+    assert read_reply(ECHO, TOOLS, HERMES, "r") == {"role": "assistant", "content": ECHO}
     generic = "{% for m in messages %}{{ m.content }}{% endfor %}"
     tokenizer = SimpleNamespace(chat_template=generic, all_special_ids=[], added_tokens_decoder={})
     tokenizer.convert_tokens_to_ids = lambda token: None
@@ -249,11 +250,11 @@ def test_a_forced_reply_ends_at_its_first_repeated_call():
     other = '<tool_call>{"name":"add","arguments":{"a":2}}</tool_call>'
     respaced = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'  # the same call, written otherwise
     text = "\n".join([WHOLE, other, respaced, other])
-    for content, calls, message in split_everywhere(lambda: ToolReader(FORCED, "hermes", "r"), text):
+    for content, calls, message in split_everywhere(lambda: ToolReader(FORCED, HERMES, "r"), text):
         assert content == ""
         assert [c["function"]["arguments"] for c in calls] == ['{"a":1}', '{"a":2}']  # nothing from the repeat on
-        assert message == read_reply(text, FORCED, "hermes", "r")
-    assert [c["function"]["arguments"] for c in read_reply(text, TOOLS, "hermes", "r")["tool_calls"]] == [
+        assert message == read_reply(text, FORCED, HERMES, "r")
+    assert [c["function"]["arguments"] for c in read_reply(text, TOOLS, HERMES, "r")["tool_calls"]] == [
         '{"a":1}',
         '{"a":2}',
         '{"a":1}',
@@ -261,21 +262,21 @@ def test_a_forced_reply_ends_at_its_first_repeated_call():
     ]  # auto is read as written: only a forced reply is the grammar's doing
 
 
-@pytest.mark.parametrize("style", ["hermes", "llama3_json"])
-def test_the_engine_is_told_to_end_a_forced_reply_when_a_call_repeats(style):
-    call = '{"name":"add","arguments":{"a":1}}' if style == "hermes" else '{"name":"add","parameters":{"a":1}}'
-    block = f"<tool_call>\n{call}\n</tool_call>" if style == "hermes" else call
-    separator = "\n" if style == "hermes" else ";"
+@pytest.mark.parametrize("syntax", [HERMES, LLAMA3_JSON])
+def test_the_engine_is_told_to_end_a_forced_reply_when_a_call_repeats(syntax):
+    call = '{"name":"add","arguments":{"a":1}}' if syntax is HERMES else '{"name":"add","parameters":{"a":1}}'
+    block = f"<tool_call>\n{call}\n</tool_call>" if syntax is HERMES else call
+    separator = "\n" if syntax is HERMES else ";"
     text = block + separator + block + separator
     for parallel, expected in ((True, True), (False, None)):
-        reading = Reading(ToolUse(TOOLS.specs, choice="required", parallel=parallel), style, "r")
+        reading = Reading(ToolUse(TOOLS.specs, choice="required", parallel=parallel), syntax, "r")
         assert reading.watches_repeats is bool(expected)
         if not reading.watches_repeats:
             continue
         is_over = reading.watch()
         ends = [at for at in range(1, len(text) + 1) if is_over(text[at - 1])]
         assert ends[0] == 2 * len(block) + len(separator)  # the character that closes the repeated call
-    assert not Reading(TOOLS, "hermes", "r").watches_repeats  # auto: the model's own choice
+    assert not Reading(TOOLS, HERMES, "r").watches_repeats  # auto: the model's own choice
 
 
 # -- an open object in a forced call: any object, bounded ----------------------------------------
@@ -288,7 +289,7 @@ def accepts(grammars: Grammars, tiny, grammar: str, text: str) -> bool:
 def test_a_forced_call_takes_any_object_where_the_schema_says_nothing_of_its_keys(tiny):
     grammars = Grammars(tiny.tokenizer, tiny.vocab_size, tiny.eos_ids)
     search = ToolUse((ToolSpec("search", None, {"type": "object"}),), choice="required")
-    grammar = tool_grammar(search, "hermes")
+    grammar = tool_grammar(search, HERMES)
 
     def call(arguments: str) -> str:
         return f'<tool_call>\n{{"name":"search","arguments":{arguments}}}\n</tool_call>'
@@ -309,10 +310,10 @@ def test_a_forced_call_takes_any_object_where_the_schema_says_nothing_of_its_key
     closed = ToolUse(
         (ToolSpec("search", None, {"type": "object", "properties": {"q": {"type": "string"}}}),), "required"
     )
-    assert accepts(grammars, tiny, tool_grammar(closed, "hermes"), call('{"q":"x"}'))
-    assert not accepts(grammars, tiny, tool_grammar(closed, "hermes"), call('{"q":"x","more":1}'))
+    assert accepts(grammars, tiny, tool_grammar(closed, HERMES), call('{"q":"x"}'))
+    assert not accepts(grammars, tiny, tool_grammar(closed, HERMES), call('{"q":"x","more":1}'))
     bare = ToolUse((ToolSpec("search", None, {"type": "object", "properties": {}}),), "required")
-    assert accepts(grammars, tiny, tool_grammar(bare, "hermes"), call("{}"))
-    assert not accepts(grammars, tiny, tool_grammar(bare, "hermes"), call('{"q":"x"}'))
+    assert accepts(grammars, tiny, tool_grammar(bare, HERMES), call("{}"))
+    assert not accepts(grammars, tiny, tool_grammar(bare, HERMES), call('{"q":"x"}'))
     # After one or more calls the reply may end (the grammar accepts there), with parallel calls or without.
     assert accepts(grammars, tiny, grammar, call("{}") + "\n" + call('{"q":1}'))

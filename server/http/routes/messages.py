@@ -1,25 +1,14 @@
-"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API (errors in its envelope)."""
+"""POST /v1/messages/count_tokens: the Anthropic Messages API's token count (its messages are a generation route)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
-from server.anthropic.schemas import CountTokensRequest, MessagesRequest
+from server.anthropic.schemas import CountTokensRequest
 from server.http import deps
 from server.serving.messages import Messages
 
 router = APIRouter(tags=["anthropic"])
-
-
-@router.post("/v1/messages", summary="Anthropic Messages API (JSON or SSE), continuing a session's cached K/V")
-async def create_message(
-    body: MessagesRequest,
-    request: Request,
-    messages: Messages = Depends(deps.messages),
-    tenant: str = Depends(deps.tenant),
-):
-    request.state.model = body.model  # the failure series' label, should it be refused
-    return await messages.create(body, request, tenant)
 
 
 @router.post("/v1/messages/count_tokens", summary="The input tokens a Messages API request would have")

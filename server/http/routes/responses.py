@@ -1,29 +1,17 @@
-"""/v1/responses: the OpenAI Responses API, stateful through previous_response_id."""
+"""/v1/responses/{id}: stored responses, read, listed and deleted (creating one is a generation route)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query
 
 from server.http import deps
-from server.openai.responses import ResponseRequest
 from server.serving.responses import Responses
 
 router = APIRouter(tags=["responses"])
 # Any id that is not stored is a 404, as OpenAI answers (clients catch NotFoundError); only its length is bounded.
 ResponsePath = Path(..., max_length=256, description="the response id")
-
-
-@router.post("/v1/responses", summary="Create a response (JSON or SSE events), continuing a previous one's K/V")
-async def create_response(
-    body: ResponseRequest,
-    request: Request,
-    responses: Responses = Depends(deps.responses),
-    tenant: str = Depends(deps.tenant),
-):
-    request.state.model = body.model  # the failure series' label, should it be refused
-    return await responses.create(body, request, tenant)
 
 
 @router.get("/v1/responses/{response_id}", summary="A stored response")

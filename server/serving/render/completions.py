@@ -12,8 +12,7 @@ from sse_starlette import ServerSentEvent
 from server.engine.engine import Engine
 from server.engine.request import Failed, Finished, TextDelta, TokenLogprob
 from server.openai import chunks
-from server.openai.schemas import SamplingFields
-from server.serving.pipeline import Renderer
+from server.serving.render.base import Renderer
 from server.serving.tool_reader import ToolReader
 from server.sessions.chat import ToolCall
 
@@ -21,9 +20,9 @@ from server.sessions.chat import ToolCall
 class CompletionRenderer(Renderer):
     """One completion's chunks (a chat reply's tool calls read out of its text), or its response body."""
 
-    def __init__(self, req: SamplingFields, engine: Engine, is_chat: bool, reader: ToolReader) -> None:
+    def __init__(self, engine: Engine, is_chat: bool, include_usage: bool, reader: ToolReader) -> None:
         self.meta = chunks.Meta(reader.request_id, int(time.time()), engine.model_id, is_chat)
-        self.reader, self.include_usage = reader, bool(req.stream_options and req.stream_options.include_usage)
+        self.reader, self.include_usage = reader, include_usage
         tokenizer = engine.loaded.tokenizer  # token_text: a token's text (for logprobs), cached for the request
         self.token_text = lru_cache(maxsize=4096)(lambda token_id: str(tokenizer.decode([token_id])))
         self.offset = 0  # the text sent so far, in characters (the logprobs' text offsets)

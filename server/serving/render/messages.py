@@ -18,7 +18,7 @@ from server.anthropic.answers import (
 )
 from server.engine.request import Admitted, Failed, Finished, TokenLogprob
 from server.openai.errors import CODE_STATUS
-from server.serving.pipeline import PartsRenderer
+from server.serving.render.base import PartsRenderer
 from server.serving.tool_reader import ToolReader
 from server.sessions.chat import ToolCall
 

@@ -11,7 +11,7 @@ from server.engine.request import Failed, Finished, TokenLogprob
 from server.openai.errors import ApiError
 from server.openai.response_objects import call_item_id, function_call_item, message_id, message_item, response_object
 from server.serving.core import Serving
-from server.serving.pipeline import PartsRenderer
+from server.serving.render.base import PartsRenderer
 from server.serving.tool_reader import ToolReader
 from server.sessions.chat import ToolCall
 from server.sessions.record import SessionKey, Turn, Usage
@@ -59,7 +59,6 @@ class ResponseRenderer(PartsRenderer):
         self.retention_s = serving.settings.response_retention_s
         self.sequence_number = 0
         self.sent = ""  # the message's text so far
-        self.is_finished = False
 
     def _object(self, **state: Any) -> dict[str, Any]:
         return response_object(self.response_id, self.model, {**self.record, **state}, self.parent)
@@ -69,7 +68,6 @@ class ResponseRenderer(PartsRenderer):
         message = self.reader.message()
         done = result(event.finish_reason, message["content"], event.usage, message.get("tool_calls", []))
         await self.off_loop(self._store_copy, done)
-        self.is_finished = True
         return self._object(**done)
 
     def _store_copy(self, done: dict[str, Any]) -> None:
@@ -108,10 +106,6 @@ class ResponseRenderer(PartsRenderer):
     def failed(self, event: Failed) -> list[ServerSentEvent]:
         error = {"code": event.code, "message": event.message}
         return [self.event("response.failed", response=self._object(status="failed", error=error))]
-
-    def close(self) -> None:
-        if self.stored is not None and self.session is None and not self.is_finished:
-            self.store.delete(self.stored)  # nothing to continue from: a failed or abandoned response is not kept
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": message_id(self.response_id), "output_index": 0, "content_index": 0}
