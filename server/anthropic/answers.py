@@ -25,12 +25,26 @@ ERROR_TYPES = {
     504: "timeout_error",
 }
 STOP_REASONS = {"length": "max_tokens"}
+# Codes that are Anthropic's own (its message threads'): sent as `error.details.error_code` too, which its SDKs read
+# to tell the cause (and a thread then replays the whole conversation, or starts a new thread).
+ANTHROPIC_CODES = frozenset(
+    {
+        "thread_not_found",
+        "thread_already_continued",
+        "thread_continue_in_flight",
+        "thread_fingerprint_mismatch",
+        "thread_unsupported_request",
+    }
+)
 
 
 def error_envelope(status: int, code: str, message: str) -> dict[str, Any]:
     """Anthropic's error body; kvserve's code (the OpenAI envelope's) rides along for clients that want it."""
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message[:512], "code": code}}
+    error: dict[str, Any] = {"type": kind, "message": message[:512], "code": code}
+    if code in ANTHROPIC_CODES:
+        error["details"] = {"error_code": code}
+    return {"type": "error", "error": error}
 
 
 def usage(num_prompt: int, num_cached: int, num_created: int, num_output: int, is_hour: bool) -> dict[str, Any]:

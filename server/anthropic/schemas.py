@@ -189,12 +189,33 @@ class Conversation(WireModel):
 
     @model_validator(mode="after")
     def _choice_names_a_tool(self) -> Conversation:
+        if isinstance(getattr(self, "thread", None), ThreadContinue):
+            return self  # the thread's tools: checked against them when it is read
         choice, names = self.tool_choice, [t.name for t in self.tools or []]
         if choice is not None and choice.type == "tool" and choice.name not in names:
             raise PydanticCustomError("value_error", "tool_choice names a tool that is not in 'tools'")
         if choice is not None and choice.type == "any" and not names:
             raise PydanticCustomError("value_error", "tool_choice 'any' needs at least one tool")
         return self
+
+
+class ThreadCreate(BaseModel):
+    """Hold this conversation under the answer's id, for a later `continue` to send only its new messages."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["create"]
+
+
+class ThreadContinue(BaseModel):
+    """Continue from a held answer: the thread keeps its messages, `system` and `tools`; only the new ones come."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["continue"]
+    previous_message_id: str = Field(..., min_length=1, max_length=256)
+
+
+Thread = Annotated[ThreadCreate | ThreadContinue, Field(discriminator="type")]
+CONTINUE_KEEPS = ("system", "tools")  # a continue takes them from its thread: a request repeating one is refused
 
 
 class CountTokensRequest(Conversation):
@@ -218,6 +239,11 @@ class MessagesRequest(Conversation):
     speed: Literal["standard"] | None = None
     cache_control: CacheControl | None = Field(None, description="a breakpoint on the request's last block")
     output_config: OutputConfig | None = None
+    thread: Thread | None = Field(
+        None,
+        description="message threads: the server holds the conversation (create), a turn sends only its new "
+        "messages (continue from a previous message id)",
+    )
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN, description="kvserve: an explicit session")
     prompt_cache_key: SkipJsonSchema[None] = None  # a session or nothing here: cache_control marks the prefix
     container: Unused = None
@@ -230,6 +256,20 @@ class MessagesRequest(Conversation):
     def _reject_unsupported(self) -> MessagesRequest:
         reject_unsupported(self, UNSUPPORTED)
         return self
+
+    @model_validator(mode="after")
+    def _continue_keeps_system_and_tools(self) -> MessagesRequest:
+        if isinstance(self.thread, ThreadContinue):
+            for name in CONTINUE_KEEPS:
+                if getattr(self, name) is not None:
+                    message = "'{name}' is the thread's on a continue: send it with thread.type 'create' only"
+                    raise PydanticCustomError("invalid_parameter", message, {"name": name})
+        return self
+
+    @property
+    def continues(self) -> str | None:
+        """The message id a thread continue resumes from (None: not a continue)."""
+        return self.thread.previous_message_id if isinstance(self.thread, ThreadContinue) else None
 
     def cache_ttl(self) -> float | None:
         """The longest cache_control ttl anywhere in the request (None: no breakpoint)."""

@@ -32,9 +32,9 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(
             400, "invalid_parameter", f"'{where}' holds text that is not valid UTF-8 (a lone surrogate)", where
         )
-    if kind == "unsupported_parameter":
+    if kind in ("unsupported_parameter", "invalid_parameter"):  # our own refusals, naming the field in ctx
         name = (err.get("ctx") or {}).get("name") or param
-        return ApiError(400, "unsupported_parameter", str(err.get("msg")), name)
+        return ApiError(400, kind, str(err.get("msg")), name)
     if kind == "missing":
         if param is None:
             return ApiError(400, "invalid_json", "the request body is missing")

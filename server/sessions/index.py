@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from sortedcontainers import SortedDict, SortedList
 
-from server.sessions.record import Session, SessionKey, common_prefix_len
+from server.sessions.record import STORED_KINDS, Session, SessionKey, common_prefix_len
 
 
 class Reach(NamedTuple):
@@ -127,11 +127,11 @@ class SessionIndex:
         return sum((index.counts for index in self._tenants.values()), Counter())
 
     def usage(self, tenant: str, exclude: SessionKey, excluded: Session | None) -> tuple[int, int]:
-        """(the tenant's buckets, or its sessions and responses, as `exclude` is one or not; their transcript
-        tokens), `exclude` (`excluded` when it exists) left out."""
+        """(the tenant's buckets, or its kept records (sessions, responses, thread nodes), as `exclude` is one or
+        not; their transcript tokens), `exclude` (`excluded` when it exists) left out."""
         index = self._tenant(tenant)
         counts, num_tokens = index.counts, index.num_tokens
-        same = counts["bucket"] if exclude.is_bucket else counts["session"] + counts["response"]
+        same = counts["bucket"] if exclude.is_bucket else sum(counts[kind] for kind in STORED_KINDS)
         if excluded is not None:
             same -= 1
             num_tokens -= 0 if exclude.is_bucket else len(excluded.transcript_ids)

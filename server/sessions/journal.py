@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from server.sessions.record import Session, SessionKey, SessionRecord
+from server.sessions.record import STORED_KINDS, Session, SessionKey, SessionRecord
 
 log = logging.getLogger("kvserve.sessions")
 NAME_PATTERN = r"[A-Za-z0-9_-]{1,128}"
@@ -26,7 +26,7 @@ NAME_PATTERN = r"[A-Za-z0-9_-]{1,128}"
 
 def state_path(directory: Path, key: SessionKey, suffix: str) -> Path:
     """`directory/<sha256(tenant)[:16]>/<kind>-<name><suffix>`: no tenant or id can leave the directory."""
-    if not re.fullmatch(NAME_PATTERN, key.name) or key.kind not in ("session", "response"):
+    if not re.fullmatch(NAME_PATTERN, key.name) or key.kind not in STORED_KINDS:
         raise ValueError(f"no file for {key.kind} {key.name[:40]!r}")
     tenant_dir = hashlib.sha256(key.tenant.encode()).hexdigest()[:16]
     return directory / tenant_dir / f"{key.kind}-{key.name}{suffix}"
@@ -35,7 +35,7 @@ def state_path(directory: Path, key: SessionKey, suffix: str) -> Path:
 def sweep(directory: Path, suffix: str) -> int:
     """Remove what is not a record under `directory/<tenant>/`: temporary files a crash left (ours end in
     `.partial`, safetensors' start with `.tmp`). Returns how many were removed."""
-    keep = re.compile(rf"(session|response)-{NAME_PATTERN}{re.escape(suffix)}")
+    keep = re.compile(rf"({'|'.join(STORED_KINDS)})-{NAME_PATTERN}{re.escape(suffix)}")
     removed = 0
     for path in directory.glob("*/*"):
         if path.is_file() and not keep.fullmatch(path.name):

@@ -15,16 +15,18 @@ from server.sessions.chat import ChatMessage
 from server.sessions.errors import InvalidTurn, SessionModeMismatch
 
 RECORD_VERSION = 1
-KINDS = ("session", "response", "bucket")
+# Kept records: sessions, stored responses and message-thread nodes (Anthropic's threads); buckets keep nothing.
+STORED_KINDS = ("session", "response", "message")
+KINDS = (*STORED_KINDS, "bucket")
 
 
 @dataclass(slots=True, frozen=True)
 class SessionKey:
-    """Where a request's state lives: a tenant's session, stored response or cache bucket."""
+    """Where a request's state lives: a tenant's session, stored response, message-thread node or cache bucket."""
 
     tenant: str
     name: str
-    kind: str = "session"  # session | response | bucket (prompt_cache_key: shared, never locks)
+    kind: str = "session"  # session | response | message | bucket (prompt_cache_key: shared, never locks)
 
     @property
     def is_bucket(self) -> bool:

@@ -308,6 +308,39 @@ class SessionStore:
                 self._table.index.touch(session)
         return session
 
+    def mark(self, key: SessionKey, name: str, value: Any, expected: Any) -> Session:
+        """Set `extras[name]` to `value` where it is `expected` now: a compare-and-set of one field of an idle
+        record, journaled (and committed to the shared store on top of the record it read) before it applies.
+        Raises SessionNotFound, SessionBusy (in use, or the field or another replica moved on), StateUnavailable."""
+        self._sync.refresh(key)
+        with self._table.lock:
+            session = self._table.sessions.get(key)
+            if session is None:
+                raise SessionNotFound(f"no session {key.name!r}")
+            if session.is_in_use or session.extras.get(name) != expected:
+                raise SessionBusy(f"{key.kind} {key.name!r} is being changed by another request")
+            staged = session.copy()
+            staged.extras = {**session.extras, name: value}
+            staged.rev, staged.op = session.rev + 1, new_op()
+            session.is_in_use = True  # nothing else changes it while the mark commits (outside the lock)
+            self._table.index.busy(session)
+        try:
+            self._save(staged, expected_op=session.op)
+        finally:
+            with self._table.lock:
+                session.is_in_use = False
+                if self._table.sessions.get(key) is session:
+                    self._table.index.touch(session)
+        with self._table.lock:
+            if self._table.sessions.get(key) is session:
+                session.extras, session.rev, session.op, session.epoch = (
+                    staged.extras,
+                    staged.rev,
+                    staged.op,
+                    staged.epoch,
+                )
+        return session
+
     def _drop_unclaimed(self, session: Session) -> None:
         """A session its first request made, when that request failed: it goes, as if never asked for. Not with
         replicas: another may have read the record meanwhile and be about to run a turn on it."""
