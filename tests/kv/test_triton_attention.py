@@ -164,9 +164,10 @@ def test_prefill_and_extend_match_float64(group, kv_heads, dim, dtype, kv, windo
 
 @pytest.mark.parametrize("kv", [None, "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter computes tl.where's both sides
 def test_store_writes_what_the_pool_writes(kv, dtype):
-    """The kernel's write is the pool's: the same bytes, scales and all (rounding as torch rounds: ties to even);
-    a slot < 0 is skipped."""
+    """The kernel's write is the pool's: the same bytes, scales and all (rounding as torch rounds: ties to even;
+    an all-zero K or V row: scale 0 and zero values, as `quantize` writes it); a slot < 0 is skipped."""
     gen = torch.Generator().manual_seed(3)
     kv_heads, dim, bs = 2, 64, 4
     ours, theirs = (make_pool(kv_heads, dim, dtype, kv, bs, 6) for _ in range(2))
@@ -176,8 +177,9 @@ def test_store_writes_what_the_pool_writes(kv, dtype):
     # [kv_heads, T, D] views with the step's strides ([1, kvH, T, D] from a transposed projection)
     key = torch.randn((1, 5, kv_heads, dim), generator=gen).to(DEVICE, dtype).transpose(1, 2)[0]
     value = torch.randn((1, 5, kv_heads, dim), generator=gen).to(DEVICE, dtype).transpose(1, 2)[0]
-    key[1, 2] = 0  # a zero vector: scale 0
     slots = torch.tensor([9, 3, -1, 22, 0], dtype=torch.long, device=DEVICE)
+    key[1, 1] = 0  # all-zero rows in written slots: scale 0, values 0 (no 0 / 0)
+    value[0, 3] = 0
     ta.store_kv(ours.k[0], ours.v[0], slots, key, value, ours.is_quantized)
     kept = slots >= 0
     theirs.write(0, slots[kept], key[:, kept], value[:, kept])
