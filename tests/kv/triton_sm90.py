@@ -109,11 +109,12 @@ def main() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(len(todo), cores)
     # fork: a worker starts with this process's kernels defined (no second import, no TRITON_INTERPRET)
+    failed = 0
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        errors = list(pool.map(compile_at, range(len(todo))))
-    for (label, *_), error in zip(todo, errors, strict=True):
-        print(f"{'OK' if error is None else 'FAIL'} {label}" + ("" if error is None else f": {error}"), flush=True)
-    return 1 if any(error is not None for error in errors) else 0
+        for (label, *_), error in zip(todo, pool.map(compile_at, range(len(todo))), strict=True):  # in order
+            print(f"{'OK' if error is None else 'FAIL'} {label}" + ("" if error is None else f": {error}"), flush=True)
+            failed += error is not None
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
