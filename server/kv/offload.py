@@ -172,7 +172,11 @@ class Offloader:
         transfers = self.pool.transfers
         if transfers.ops is None:
             return snapshot
-        snapshot.wait()  # a copy down to the host still on its way
+        # A snapshot spilled to host RAM and asked for again before anyone waited for its copy down: that copy may
+        # be in flight. The copy up below runs on the same side stream, after it, so the device would order the
+        # two anyway; the wait keeps the rule that whoever reads a snapshot's host tensors waits for its event
+        # (transfers.py), whatever stream reads them. It blocks this loader thread, never the engine's.
+        snapshot.wait()
         tensors, staged, event = transfers.to_device(snapshot.k + snapshot.v)
         n = len(snapshot.k)
         return replace(snapshot, k=tensors[:n], v=tensors[n:], ready=None, uploaded=event, staged=staged)

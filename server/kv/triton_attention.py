@@ -35,7 +35,7 @@ from server.kv.pool import SCALE_BYTES, KVLayout, KVPool
 SPLIT_KEYS = 256  # keys a decode program walks: a row of n keys takes ceil(n / SPLIT_KEYS) programs per kv head
 BLOCK_N = 32  # keys per tile
 PREFILL_BLOCK_M = 16  # a prefill program's queries
-_MIN_DOT = 16  # tl.dot's smallest tile side on the GPU: a GQA group is padded to it
+_MIN_DOT = 16  # a decode program's query rows at least (one tensor-core tile's M): a GQA group is padded to it
 _LARGEST = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
@@ -47,6 +47,66 @@ def _dot_f32(dtype: torch.dtype) -> bool:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+# Each launcher's constexprs come from one of these, and tests/kv/triton_sm90.py compiles what they return for the
+# device's shapes: the compile check cannot drift from what the launchers pass.
+Config = dict[str, int | float | bool]
+
+
+def store_config(dim: int, pool_dtype: torch.dtype, quantized: bool) -> Config:
+    """`_store_kv_kernel`'s constexprs for rows of `dim` values into a pool of `pool_dtype`."""
+    largest = _LARGEST.get(pool_dtype, 1.0)
+    return {
+        "D": dim,
+        "BLOCK_D": _pow2(dim),
+        "QUANT": quantized,
+        "IS_INT8": pool_dtype == torch.int8,
+        "LARGEST": largest,
+    }
+
+
+def decode_config(
+    num_heads: int, kv_heads: int, dim: int, dtype: torch.dtype, quantized: bool, windowed: bool, softcapped: bool
+) -> Config:
+    """`_decode_split_kernel`'s constexprs. A program's query rows are one kv head's GQA group, padded to _MIN_DOT
+    rows (masked). Triton's compiler does not ask for it: its NVIDIA backend takes a tl.dot of fewer rows (M >= 1;
+    only K has a floor, 16 for 16-bit operands) and pads them itself."""
+    group = num_heads // kv_heads
+    return {
+        "GROUP": group,
+        "BLOCK_G": max(_MIN_DOT, _pow2(group)),
+        "D": dim,
+        "BLOCK_D": _pow2(dim),
+        "BLOCK_N": BLOCK_N,
+        "SPLIT": SPLIT_KEYS,
+        "QUANT": quantized,
+        "SOFTCAP": softcapped,
+        "WINDOW": windowed,
+        "DOT_F32": _dot_f32(dtype),
+    }
+
+
+def merge_config(dim: int) -> Config:
+    """`_decode_merge_kernel`'s constexprs."""
+    return {"D": dim, "BLOCK_D": _pow2(dim), "SPLIT": SPLIT_KEYS}
+
+
+def prefill_config(
+    num_heads: int, kv_heads: int, dim: int, dtype: torch.dtype, quantized: bool, windowed: bool, softcapped: bool
+) -> Config:
+    """`_prefill_kernel`'s constexprs (a program takes PREFILL_BLOCK_M queries of one query head: no padding)."""
+    return {
+        "GROUP": num_heads // kv_heads,
+        "D": dim,
+        "BLOCK_D": _pow2(dim),
+        "BLOCK_M": PREFILL_BLOCK_M,
+        "BLOCK_N": BLOCK_N,
+        "QUANT": quantized,
+        "SOFTCAP": softcapped,
+        "WINDOW": windowed,
+        "DOT_F32": _dot_f32(dtype),
+    }
 
 
 @triton.jit
@@ -458,11 +518,7 @@ def store_kv(
         k_pool.stride(1),
         ssh,
         sss,
-        D=dim,
-        BLOCK_D=_pow2(dim),
-        QUANT=quantized,
-        IS_INT8=k_pool.dtype == torch.int8,
-        LARGEST=_LARGEST.get(k_pool.dtype, 1.0),
+        **store_config(dim, k_pool.dtype, quantized),
     )
 
 
@@ -500,7 +556,6 @@ def decode(
         return
     num_heads, dim = query.shape[1], query.shape[2]
     kv_heads = k_pool.shape[0]
-    group = num_heads // kv_heads
     acc, run_max, run_sum = workspace
     splits = acc.shape[2]
     k_scales, ssh, sss = _scales(k_pool, quantized)
@@ -533,16 +588,7 @@ def decode(
         softcap or 1.0,
         window or 0,
         block_size,
-        GROUP=group,
-        BLOCK_G=max(_MIN_DOT, _pow2(group)),
-        D=dim,
-        BLOCK_D=_pow2(dim),
-        BLOCK_N=BLOCK_N,
-        SPLIT=SPLIT_KEYS,
-        QUANT=quantized,
-        SOFTCAP=softcap is not None,
-        WINDOW=window is not None,
-        DOT_F32=_dot_f32(query.dtype),
+        **decode_config(num_heads, kv_heads, dim, query.dtype, quantized, window is not None, softcap is not None),
     )
     _decode_merge_kernel[(num_rows, num_heads)](
         out,
@@ -558,9 +604,7 @@ def decode(
         acc.stride(2),
         run_max.stride(0),
         run_max.stride(1),
-        D=dim,
-        BLOCK_D=_pow2(dim),
-        SPLIT=SPLIT_KEYS,
+        **merge_config(dim),
     )
 
 
@@ -620,15 +664,9 @@ def prefill(
         softcap or 1.0,
         window or 0,
         block_size,
-        GROUP=num_heads // k_pool.shape[0],
-        D=dim,
-        BLOCK_D=_pow2(dim),
-        BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        QUANT=quantized,
-        SOFTCAP=softcap is not None,
-        WINDOW=window is not None,
-        DOT_F32=_dot_f32(query.dtype),
+        **prefill_config(
+            num_heads, k_pool.shape[0], dim, query.dtype, quantized, window is not None, softcap is not None
+        ),
     )
 
 

@@ -12,7 +12,7 @@ import torch
 
 from server.engine import model_runner
 from server.kv import backends, kernels
-from server.kv.backends import BackendFacts, DecodeRow, choose_backend
+from server.kv.backends import BackendFacts, DecodeRow, StepRow, choose_backend
 from server.kv.blocks import Block
 from server.kv.routing import HEAD, KERNEL, SDPA
 from server.models.loader import load_model
@@ -203,6 +203,25 @@ def test_heads_group_rows_by_their_shared_blocks(tiny32):
     assert heads[1].slots is None
     assert heads[1].first_slot == 200 * 4
     assert (a.head, b.head, lone.head, too_long.head, one_run.head) == (len(shared) * 4, len(shared) * 4, 2 * k, 0, 0)
+
+
+def test_a_decode_row_of_kernel_max_context_keys_is_the_kernels_and_one_more_is_long(tiny32):
+    """docs/architecture.md: a single-token row whose context is at most KERNEL_MAX_CONTEXT keys goes to the decode
+    kernel; one key more and it is a long row (here, where SDPA was timed fastest and no heads are taken: SDPA on a
+    view of its one run of blocks)."""
+    backend = kernel_backend(tiny32)
+    backend.lone_rows, backend.uses_heads = SDPA, False
+    k, bs = backends.KERNEL_MAX_CONTEXT, backend.pool.block_size
+
+    def row(at: int, first: int, ctx_len: int) -> StepRow:
+        table = list(range(first, first + -(-ctx_len // bs)))
+        return StepRow(at, 1, ctx_len, table, [Block(i, stamp=1000 + i) for i in table])
+
+    meta = backend.plan([row(0, 0, k), row(1, 100, k + 1)], torch.zeros(2, dtype=torch.long))
+    assert meta.decode is not None
+    assert meta.decode.rows.tolist() == [0]
+    assert meta.decode.context_lens.tolist() == [k]
+    assert [(span.q_start, span.ctx_len) for span in meta.spans] == [(1, k + 1)]
 
 
 def lone_rows_case():

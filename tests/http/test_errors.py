@@ -73,11 +73,15 @@ STOP_RULES = [
     (["ok", "x" * 257], "stop sequence 1 is 257 characters long; at most 256 are allowed"),
     ([None], "stop sequence 0 is not a string (each is a string of 1-256 characters)"),
     (7, "stop sequences must be a string or a list of strings"),
+    (["x"] * 17, "at most 16 stop sequences are allowed, not 17"),  # one past the documented limits
+    ("x" * 257, "the stop sequence is 257 characters long; at most 256 are allowed"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("stop", "rule"), STOP_RULES, ids=["many", "empty-item", "empty", "1MB", "long-item", "null", "int"]
+    ("stop", "rule"),
+    STOP_RULES,
+    ids=["many", "empty-item", "empty", "1MB", "long-item", "null", "int", "17", "257"],
 )
 @pytest.mark.parametrize("route", [CHAT, "/v1/completions"])
 def test_a_malformed_stop_names_the_rule_it_breaks(client, route, stop, rule):
@@ -93,11 +97,25 @@ def test_a_malformed_stop_sequences_names_the_same_rule(client):
         *STOP_RULES[:2],
         STOP_RULES[4],
         STOP_RULES[5],
+        STOP_RULES[7],
         ("x", "stop sequences must be a list of strings"),
     ]:
         r = client.post("/v1/messages", json={**body, "stop_sequences": stop})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"] == f"'stop_sequences': {rule}"
+
+
+@pytest.mark.parametrize("route", [CHAT, "/v1/completions", "/v1/messages"])
+def test_the_documented_stop_limits_are_accepted(client, route):
+    """16 stop sequences of 256 characters each (docs/api.md's limits, inclusive) are served, and so is a bare
+    string of 256 (chat and completions)."""
+    most = [f"{i:02d}" + "y" * 254 for i in range(16)]
+    assert {len(s) for s in most} == {256}
+    field = "stop_sequences" if route == "/v1/messages" else "stop"
+    shape = {"prompt": "Hello"} if route == "/v1/completions" else {"messages": MSG}
+    for stop in [most] if route == "/v1/messages" else [most, most[0]]:
+        r = client.post(route, json={"model": "tiny", "max_tokens": 2, field: stop, **shape})
+        assert r.status_code == 200, r.text
 
 
 def test_completion_unsupported_fields(client):

@@ -18,15 +18,16 @@ CPU = torch.device("cpu")
 
 
 class Event(str):
-    """A side-stream event: its name, and a wait that logs which thread waited."""
+    """A side-stream event: its name (event-1, event-2, ... in the order they were recorded), and a wait that logs
+    which thread waited for which event."""
 
-    def __new__(cls, log: list[str]) -> Event:
-        event = super().__new__(cls, "event-1")
+    def __new__(cls, log: list[str], name: str) -> Event:
+        event = super().__new__(cls, name)
         event.log = log
         return event
 
     def synchronize(self) -> None:
-        self.log.append(f"waited on {threading.current_thread().name}")
+        self.log.append(f"waited on {threading.current_thread().name} for {self}")
 
 
 class Recording:
@@ -36,6 +37,7 @@ class Recording:
         self.log: list[str] = []
         self.on_side_now = False
         self.made: dict[str, set[int]] = {"pinned": set(), "device": set()}  # storages it handed out, by kind
+        self.num_events = 0
 
     def _made(self, kind: str, tensor):
         self.made[kind].add(tensor.untyped_storage().data_ptr())
@@ -70,8 +72,9 @@ class Recording:
         self.log.append("kept for compute")
 
     def side_done(self):
-        self.log.append("event")
-        return Event(self.log)
+        self.num_events += 1
+        self.log.append(f"event-{self.num_events}")
+        return Event(self.log, f"event-{self.num_events}")
 
     def compute_waits(self, event) -> None:
         self.log.append(f"compute waits for {event}")
@@ -82,7 +85,7 @@ def test_down_copies_wait_for_the_gather_and_run_on_the_side_stream():
     tensors = [torch.randn(2, 3), torch.randn(2, 3)]
     hosts, event = Transfers(ops).to_host(tensors)
     assert ops.log == ["side waits for compute", "side {", "pinned", "kept for side", "pinned", "kept for side", "}",
-                       "event"]  # fmt: skip
+                       "event-1"]  # fmt: skip
     assert event == "event-1"
     assert all(torch.equal(h, t) and h is not t for h, t in zip(hosts, tensors, strict=True))
 
@@ -92,7 +95,7 @@ def test_up_copies_are_staged_pinned_and_the_compute_stream_waits_for_them():
     transfers = Transfers(ops)
     tensors = [torch.randn(4), torch.randn(4)]
     on_device, staged, event = transfers.to_device(tensors)
-    assert ops.log == ["side {", "pinned", "device tensor", "pinned", "device tensor", "}", "event"]
+    assert ops.log == ["side {", "pinned", "device tensor", "pinned", "device tensor", "}", "event-1"]
     assert all(torch.equal(d, t) for d, t in zip(on_device, tensors, strict=True))
     assert len(staged) == 2  # kept alive until the copy's event
     ops.log.clear()
@@ -109,8 +112,9 @@ def test_without_a_device_nothing_is_copied():
 
 
 async def test_a_session_goes_down_to_host_ram_and_back_through_the_side_stream(tiny, monkeypatch):
-    """Its K/V is gathered, copied down (side stream), evicted, read back by the loader thread and copied up
-    (side stream); the compute stream waits for that copy before the pool is written; the turn is HF's."""
+    """Its K/V is gathered, copied down (side stream), evicted, read back by the loader thread, which waits for the
+    copy down still in flight before it copies the K/V up (side stream); the compute stream waits for that copy
+    before the pool is written; the turn is HF's."""
     ops = Recording()
     tiers = TierStore(1 << 30, 0, None, block_size=4)
     engine = make_engine(tiny, tiers=tiers, budget_bytes=4 << 20, block_size=4)
@@ -142,10 +146,16 @@ async def test_a_session_goes_down_to_host_ram_and_back_through_the_side_stream(
         engine.stop()
         tiers.close()
     assert down[0] == "side waits for compute"
-    assert down[-1] == "event"
+    assert down[-1] == "event-1"
     assert second.admitted.source == "host"
     assert second.token_ids == reference_greedy(tiny.model, turn2, 4)
-    assert ops.log.index("event") < ops.log.index("compute waits for event-1") < ops.log.index("pool written")
+    up = ops.log
+    waits = [e for e in up if e.startswith("waited on")]
+    assert len(waits) == 1, up
+    assert waits[0].startswith("waited on kv-loader-"), up  # off the engine thread
+    assert waits[0].endswith(" for event-1"), up  # the copy down, never waited for until now
+    order = [waits[0], "side {", "event-2", "compute waits for event-2", "pool written"]
+    assert [up.index(e) for e in order] == sorted(up.index(e) for e in order), up
     assert "pinned (off the side stream)" not in ops.log
 
 
@@ -166,4 +176,5 @@ async def test_a_turn_shared_with_redis_is_copied_down_on_the_side_stream(tiny, 
             engine.stop()
     waited = next(e for e in ops.log if e.startswith("waited on"))
     assert not waited.startswith("waited on engine-"), waited
-    assert ops.log.index("side waits for compute") < ops.log.index("event") < ops.log.index(waited)
+    assert waited.endswith(" for event-1"), waited
+    assert ops.log.index("side waits for compute") < ops.log.index("event-1") < ops.log.index(waited)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton.runtime.jit import mangle_type
 
 from server.kv import triton_attention as ta
 from server.kv.pool import KV_DTYPES, KVLayout, KVPool, quantize
@@ -164,9 +165,10 @@ def test_prefill_and_extend_match_float64(group, kv_heads, dim, dtype, kv, windo
 
 @pytest.mark.parametrize("kv", [None, "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter computes tl.where's both sides
 def test_store_writes_what_the_pool_writes(kv, dtype):
-    """The kernel's write is the pool's: the same bytes, scales and all (rounding as torch rounds: ties to even);
-    a slot < 0 is skipped."""
+    """The kernel's write is the pool's: the same bytes, scales and all (rounding as torch rounds: ties to even;
+    an all-zero K or V row: scale 0 and zero values, as `quantize` writes it); a slot < 0 is skipped."""
     gen = torch.Generator().manual_seed(3)
     kv_heads, dim, bs = 2, 64, 4
     ours, theirs = (make_pool(kv_heads, dim, dtype, kv, bs, 6) for _ in range(2))
@@ -176,8 +178,9 @@ def test_store_writes_what_the_pool_writes(kv, dtype):
     # [kv_heads, T, D] views with the step's strides ([1, kvH, T, D] from a transposed projection)
     key = torch.randn((1, 5, kv_heads, dim), generator=gen).to(DEVICE, dtype).transpose(1, 2)[0]
     value = torch.randn((1, 5, kv_heads, dim), generator=gen).to(DEVICE, dtype).transpose(1, 2)[0]
-    key[1, 2] = 0  # a zero vector: scale 0
     slots = torch.tensor([9, 3, -1, 22, 0], dtype=torch.long, device=DEVICE)
+    key[1, 1] = 0  # all-zero rows in written slots: scale 0, values 0 (no 0 / 0)
+    value[0, 3] = 0
     ta.store_kv(ours.k[0], ours.v[0], slots, key, value, ours.is_quantized)
     kept = slots >= 0
     theirs.write(0, slots[kept], key[:, kept], value[:, kept])
@@ -233,9 +236,98 @@ def test_quantize_matches_the_kernel_scale_layout():
     assert torch.equal(raw[:, 16], rows.view(torch.uint8)[:, 64:].contiguous().view(torch.float32)[:, 0])
 
 
+class Launches:
+    """A kernel standing in for itself: each launch recorded (its arguments' types as triton names them, and its
+    constexprs: the keyword arguments), then run."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.seen: list[tuple[dict[str, str], dict]] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            names = self.kernel.arg_names[: len(args)]  # the positional ones; the constexprs follow by name
+            self.seen.append(({n: mangle_type(a) for n, a in zip(names, args, strict=True)}, constexprs))
+            return self.kernel[grid](*args, **constexprs)
+
+        return launch
+
+
+KERNELS = ("_store_kv_kernel", "_decode_split_kernel", "_decode_merge_kernel", "_prefill_kernel")
+
+
+def spy_launches(monkeypatch) -> dict[str, Launches]:
+    spies = {name: Launches(getattr(ta, name)) for name in KERNELS}
+    for name, spy in spies.items():
+        monkeypatch.setattr(ta, name, spy)
+    return spies
+
+
+def attend_once(kv_heads: int, group: int, dim: int, dtype, kv, window=None, softcap=None) -> None:
+    """One store, one prefill chunk and one decode row on a scratch pool of this shape, each against float64."""
+    gen = torch.Generator().manual_seed(group * 100 + dim)
+    bs, n = 4, 6  # two blocks, shuffled: the second in the table first
+    pool = make_pool(kv_heads, dim, dtype, kv, bs, 2)
+    table, heads, scale = [1, 0], group * kv_heads, dim**-0.5
+    key, value = (torch.randn((kv_heads, n, dim), generator=gen).to(DEVICE, dtype) for _ in range(2))
+    ta.store_kv(pool.k[0], pool.v[0], pool.slots(table, n), key, value, pool.is_quantized)
+    query = torch.randn((n, heads, dim), generator=gen).to(DEVICE, dtype)
+    k, v = context(pool, table, n)
+    want = reference(query.cpu(), k.cpu(), v.cpu(), list(range(n)), scale, window, softcap)
+    int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    out = torch.full_like(query, float("nan"))
+    ta.prefill(query, pool.k[0], pool.v[0], out, ta.prefill_tiles([n], DEVICE), int32([0]), int32([n]), int32([n]),
+               int32([table]), bs, scale, window, softcap, pool.is_quantized)  # fmt: skip
+    last = torch.full_like(query, float("nan"))
+    ta.decode(query, pool.k[0], pool.v[0], last, int32([n - 1]), int32([table]), int32([n]),
+              ta.decode_workspace(1, heads, dim, n, DEVICE), bs, scale, window, softcap, pool.is_quantized)  # fmt: skip
+    for got, rows in ((out, slice(0, n)), (last[n - 1 :], slice(n - 1, n))):
+        assert torch.allclose(got.double().cpu(), want[rows], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("group", range(1, 9))
+def test_decode_pads_the_gqa_group_to_the_smallest_tile_tl_dot_takes(group, monkeypatch):
+    """A decode program's query rows are one kv head's GQA group, padded to 16 (one tensor-core tile's M), the
+    padding rows masked; the answer is float64's. What `decode()` launches is `decode_config`'s, which the sm_90
+    compile check compiles. (The check cannot see a missing padding: triton compiles a dot of fewer rows.)"""
+    spies = spy_launches(monkeypatch)
+    attend_once(2, group, 64, torch.float32, None)
+    launched = [constexprs for _, constexprs in spies["_decode_split_kernel"].seen]
+    assert [(c["GROUP"], c["BLOCK_G"]) for c in launched] == [(group, 16)]
+    assert launched == [ta.decode_config(2 * group, 2, 64, torch.float32, False, False, False)]
+
+
+def test_the_sm_90_check_compiles_what_the_launchers_launch_for_the_device_shapes(monkeypatch):
+    """Every launch the device shapes make (each pool and each layer extra the check lists) is a variant the check
+    compiles, and it compiles nothing else: the two cannot drift (a fixed block of the check's own would)."""
+    from tests.kv import triton_sm90
+
+    def key(kernel, types: dict[str, str], constexprs: dict) -> tuple:
+        return kernel, tuple(sorted(types.items())), tuple(sorted(constexprs.items()))
+
+    compiled = set()
+    for _, fn, pointers, constexprs in triton_sm90.variants():
+        types = {n: t for n, t in triton_sm90.signature(fn, pointers, constexprs).items() if t != "constexpr"}
+        compiled.add(key(fn, types, constexprs))
+    launched = set()
+    for dtype, num_heads, kv_heads, dim in triton_sm90.DEVICE_SHAPES.values():
+        for kv_dtype, extras in triton_sm90.POOLS[dtype]:
+            kv = {dtype: name for name, dtype in KV_DTYPES.items()}.get(kv_dtype)
+            for windowed, softcapped in extras:
+                spies = spy_launches(monkeypatch)
+                attend_once(kv_heads, num_heads // kv_heads, dim, dtype, kv, 8 if windowed else None,
+                            30.0 if softcapped else None)  # fmt: skip
+                monkeypatch.undo()
+                launched |= {key(s.kernel, *launch) for s in spies.values() for launch in s.seen}
+    assert len(launched) == len(compiled) == 16
+    assert launched == compiled
+
+
+@pytest.mark.timeout(660)  # the compiles' own limit is 600 s (below); under load they ran past pytest's 300 s cap
 def test_every_kernel_compiles_for_sm_90(tmp_path):
-    """The compiler's view, which the interpreter skips (tests/kv/triton_sm90.py): every kernel variant down to an
-    sm_90 cubin, in a process of its own with its own cache (no artefacts shared with another checkout)."""
+    """The compiler's view, which the interpreter skips (tests/kv/triton_sm90.py): each kernel as its launcher
+    launches it for the device shapes, down to an sm_90 cubin, in processes of its own with its own cache (no
+    artefacts shared with another checkout)."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": str(root)}
     env.pop("TRITON_INTERPRET", None)
@@ -245,7 +337,7 @@ def test_every_kernel_compiles_for_sm_90(tmp_path):
     )  # fmt: skip
     lines = done.stdout.splitlines()
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert len(lines) == 4 + 2 * (2 + 1 + 1 + 1) + 1  # stores, decode and prefill variants, the merge
+    assert len(lines) == (3 + 2 * 4 + 1) + (1 + 2 + 1)  # per device shape: stores, decode and prefill, the merge
     assert all(line.startswith("OK ") for line in lines), lines
 
 
