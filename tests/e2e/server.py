@@ -111,8 +111,9 @@ class Server:
         if wait:
             self.wait_ready()
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + (600 if self.is_default else DEADLINE_S)  # the default's first start converts
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Until /ready answers 200; by default for 600 s on the default model (its first start converts it)."""
+        deadline = time.monotonic() + (timeout_s or (600 if self.is_default else DEADLINE_S))
         while True:
             assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
             try:
