@@ -4,10 +4,10 @@ Replicas share K/V blocks in Redis only when the blocks' addresses agree: the fi
 the shared tier keeps them in (the model's weights, config, tokenizer and dtype, and the shared tier's
 K/V dtype, `KVSERVE_SHARED_KV_DTYPE`) and the block size. So replicas serving one model id with other
 weights, config, tokenizer or dtype (a fine-tune deployed under the old id, a rolling upgrade half done,
-`dtype = "auto"` settling differently), or keeping their shared blocks in another form, are each correct
-but never restore each other's K/V: every session that moves between them recomputes. This is how
-they find out. Each replica writes what it serves a model with (`Engine.fingerprint_parts`) and what its
-blocks in Redis are addressed by (`Engine.shared_parts`) under
+`dtype = "auto"` on CPUs with and without bf16 instructions), or keeping their shared blocks in another
+form, are each correct but never restore each other's K/V: every session that moves between them
+recomputes. This is how they find out. Each replica writes what it serves a model with
+(`Engine.fingerprint_parts`) and what its blocks in Redis are addressed by (`Engine.shared_parts`) under
 `kvserve:fp:<replica>:<model>`, which expires unless refreshed (every `period_s`; deleted at a clean
 stop, so a replica that is gone drops out), names itself in the set `kvserve:fps:<model>`, and reads
 the others'. Another fingerprint is logged as a warning once per replica and fingerprint, and

@@ -28,7 +28,6 @@ else:  # pragma: no cover
 
 log = logging.getLogger("kvserve.registry")
 KV_DTYPE_NAMES = ("auto", "compute", "int8", "fp8")  # how K/V may be stored (server/kv/pool.py)
-DTYPE_MEMO = "dtype-choices.json"  # in the cache dir: what `dtype: auto` measured on this machine
 
 
 class ModelLoadError(Exception):
@@ -143,7 +142,7 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
     device = pick_device(spec.device)
     where = resolve_source(spec, cache_dir)
     config = AutoConfig.from_pretrained(where)
-    choice: DtypeChoice = choose_dtype(spec.dtype, device, config, cache_dir / DTYPE_MEMO)
+    choice: DtypeChoice = choose_dtype(spec.dtype, device)
     log.info("model %s: %s (%s)", spec.id, choice.name, choice.reason)
     dtype = choice.dtype
     tokenizer = AutoTokenizer.from_pretrained(where)

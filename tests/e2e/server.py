@@ -92,8 +92,8 @@ class Server:
         self.log_path = log_path
         self.is_default = not model_dir and "--model" not in (args or []) and "--models-file" not in (args or [])
         args = ["serve", "--port", str(self.port), "--state-dir", str(state_dir), *(args or [])]
-        if model_dir:  # served under its directory's name, in fp32: `auto` times bf16 against fp32 for the tiny
-            # model, a coin flip at its size, and replicas compare their texts (in bf16 the cache may change one)
+        if model_dir:  # served under its directory's name, in fp32, not `auto` (bf16 on a CPU with bf16
+            # instructions): replicas compare their texts, and in bf16 the cache may change one
             models = log_path.with_suffix(".models.toml")
             spec = f'[[models]]\nid = "{model_dir.name}"\nsource = "{model_dir}"\ndtype = "float32"\n'
             models.write_text(spec + (f"max_context = {max_context}\n" if max_context else ""))
@@ -111,8 +111,9 @@ class Server:
         if wait:
             self.wait_ready()
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + (600 if self.is_default else DEADLINE_S)  # the default's first start converts
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Until /ready answers 200; by default for 600 s on the default model (its first start converts it)."""
+        deadline = time.monotonic() + (timeout_s or (600 if self.is_default else DEADLINE_S))
         while True:
             assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
             try:

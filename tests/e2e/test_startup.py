@@ -29,7 +29,7 @@ def gguf_file(tmp_path_factory) -> Path:
 
 
 def models_file(directory: Path, *entries: tuple[str, Path]) -> Path:
-    """A models.toml serving each (id, source) in float32 (no bf16 timing at start)."""
+    """A models.toml serving each (id, source) in float32 (the same on any CPU)."""
     path = directory / "models.toml"
     path.write_text("".join(f'[[models]]\nid = "{i}"\nsource = "{s}"\ndtype = "float32"\n\n' for i, s in entries))
     return path
