@@ -26,6 +26,7 @@ from server.engine.sampler import batch_greedy, batch_sample
 from server.engine.scheduler import Admission, Row, Scheduler
 from server.engine.sequence import Sequence, SequenceStatus
 from server.engine.threads import use_compute_threads
+from server.kv.attention import StepAbandoned
 from server.kv.blocks import BlockManager
 from server.kv.offload import Offloader
 from server.models.loader import LoadedModel
@@ -74,6 +75,7 @@ class EngineLoop:
         self.model_id = loaded.spec.id
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
         self.max_batch_seen = 0
+        self.num_abandoned_steps = 0  # steps stopped between layers: every request in them had ended
         self.num_done = 0  # requests answered for good; read by others through the published stats
         self._done_lock = threading.Lock()  # the committer answers requests too
         self._thread: threading.Thread | None = None  # the engine thread, once it runs
@@ -164,9 +166,17 @@ class EngineLoop:
         prefill = [(r.seq.request.request_id, len(r.token_ids)) for r in rows if not r.seq.is_prefilled]
         self.step_log.append(StepRecord(decode, prefill, admitted))
         self.max_batch_seen = max(self.max_batch_seen, len(rows))
+        # A step that prefills may take long (seconds, a minute on a busy CPU): once every request in it has gone
+        # (its client left, its time ran out) it stops between layers, and they are ended at once.
+        is_abandoned = (lambda: all(r.seq.is_ended for r in rows)) if prefill else None
         try:
             with self.blocks.resting():  # a forward pass reads the books, never changes them
-                logits = self.runner.run(rows)  # [R, V]
+                logits = self.runner.run(rows, is_abandoned)  # [R, V]
+        except StepAbandoned as exc:
+            self.num_abandoned_steps += 1
+            log.info("a step of %d rows stopped %s: every request in it had ended", len(rows), exc)
+            self._drop_ended()
+            return
         except Exception as exc:
             self._fail_step(rows, exc)
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,14 +215,16 @@ class ModelRunner:
         self.deterministic = True
         self.deterministic_detail = "linear products " + ", ".join(f"{n} {way}" for way, n in ways.items())
 
-    def run(self, rows: list[Row]) -> torch.Tensor:
-        """One forward pass over the rows; logits [R, V] for the rows that sample, in row order."""
+    def run(self, rows: list[Row], is_abandoned: Callable[[], bool] | None = None) -> torch.Tensor:
+        """One forward pass over the rows; logits [R, V] for the rows that sample, in row order. `is_abandoned`,
+        asked between layers, stops the pass (StepAbandoned) once nothing it computes is wanted."""
         if self.graphs is not None:
             replayed = self.graphs.run(rows)
             if replayed is not None:
                 self._count(rows)
                 return replayed
         meta, input_ids, position_ids, sampled_at = self._prepare(rows)
+        meta.is_abandoned = is_abandoned
         with torch.inference_mode(), stepping(meta):
             if self.compiled is not None:
                 logits: torch.Tensor = self.compiled(input_ids, position_ids, sampled_at)

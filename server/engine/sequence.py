@@ -80,6 +80,11 @@ class Sequence:
         timeout = self.request.timeout_s
         return timeout is not None and time.monotonic() - self.started > timeout
 
+    @property
+    def is_ended(self) -> bool:
+        """Nothing more it computes is wanted: its client left, stopped reading, or its time ran out."""
+        return self.handle.is_cancelled or self.handle.is_overflowing or self.is_past_deadline()
+
     def accept(self, token_id: int, logprob: TokenLogprob | None) -> TextDelta | None:
         """A sampled token: stop rules, then the text that became final (None while nothing did)."""
         self.token_ids.append(token_id)

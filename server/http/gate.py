@@ -103,7 +103,7 @@ class Gate:
             seconds * 1000,
             state.get("tenant", "-"),
             state["request_id"],
-            outcome["session"] or "-",
+            outcome["session"] or state.get("session") or "-",
         )
         if self.on_response is not None:
             self.on_response(route, status, seconds)

@@ -32,7 +32,8 @@ STATUS_TEXT = {
     401: "invalid_api_key: a missing or unknown key",
     404: "model_not_found, session_not_found, response_not_found (another tenant's ids included)",
     408: "body_timeout: the body did not arrive in time",
-    409: "session_busy (a request of this session is in flight, or another replica moved it on), session_mode_mismatch",
+    409: "session_busy (a request of this session is in flight since the time its message says, or another replica "
+    "moved it on; with Retry-After), session_mode_mismatch",
     413: "request_too_large",
     429: "server_overloaded (with Retry-After), quota_exceeded, slow_reader",
     503: "not_ready, model_failed (it failed to load, and why), shutting_down, out_of_memory, state_unavailable, "
@@ -164,8 +165,10 @@ def _correct(path: str, method: str, operation: dict[str, Any]) -> None:
             "description": STATUS_TEXT[status],
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{error}"}}},
         }
-        if status == 429:
-            responses["429"]["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
+        if status in (409, 429):
+            responses[str(status)]["headers"] = {
+                "Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}
+            }
     if path in STREAMS:
         ok = responses.setdefault("200", {"description": "Successful Response"})
         # A media type object has no description in OpenAPI 3.1: the event format is the schema's

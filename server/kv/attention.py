@@ -20,7 +20,7 @@ warm-up) it is plain causal attention over the tensors it is given.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -153,6 +153,14 @@ class StepMeta:
     backend: Attends | None = None  # runs each layer (None: every row is a span)
     launch: Any = None  # what the backend keeps for this step's kernels (the Triton backend's grids and workspace)
     num_op_calls: int = 0  # layers attended through kvserve::step_attention (a compiled graph's)
+    # Asked before each layer after the first: True abandons the step (StepAbandoned), as when every request in
+    # it has gone (a long prefill's client left: its session is free within a layer, not a whole step later).
+    is_abandoned: Callable[[], bool] | None = None
+
+
+class StepAbandoned(Exception):
+    """A step stopped between layers because nothing it computes is wanted any more: the K/V it wrote is in blocks
+    no one has published, its rows' requests are ended by the engine."""
 
 
 def attend(
@@ -255,6 +263,8 @@ def _paged(
 ) -> torch.Tensor:
     """The step's attention for one layer: the new K/V into their slots, then each row over its keys as the
     step's backend planned it."""
+    if layer and step.is_abandoned is not None and step.is_abandoned():
+        raise StepAbandoned(f"abandoned before layer {layer}")
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
     if step.backend is not None:
         step.backend.write(step, layer, key[0], value[0])

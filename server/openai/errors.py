@@ -7,6 +7,7 @@ from typing import Any
 MAX_MESSAGE_CHARS = 512
 MAX_PARAM_CHARS = 128
 RETRY_AFTER_S = 1
+RETRIED = ("server_overloaded", "session_busy")  # refusals worth retrying soon: they say when (Retry-After)
 
 TYPES = {
     400: "invalid_request_error",
@@ -60,7 +61,7 @@ class ApiError(Exception):
     def of(cls, code: str, message: str, param: str | None = None) -> ApiError:
         """An error the engine or the session store answered with, at its status (429s say when to retry)."""
         status = CODE_STATUS.get(code, 500)
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if code == "server_overloaded" else None
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if code in RETRIED else None
         return cls(status, code, message, param, headers)
 
 

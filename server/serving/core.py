@@ -111,7 +111,10 @@ class Serving:
         try:
             handle = await engine.submit_async(gen)
         except Refused as exc:  # the engine's (queue full, too large) or the session store's (busy, other model)
-            raise ApiError.of(exc.code, exc.message) from exc
+            refused = ApiError.of(exc.code, exc.message)
+            if gen.session is not None and not gen.session.is_bucket and refused.headers is not None:
+                refused.headers[SESSION_HEADER] = gen.session.name  # the session to retry on
+            raise refused from exc
         watcher = asyncio.create_task(cancel_on_disconnect(http, handle)) if http is not None else None
         try:
             first = await anext(handle)

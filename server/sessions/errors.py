@@ -12,6 +12,11 @@ class SessionError(Refused):
 class SessionBusy(SessionError):
     code = "session_busy"
 
+    def __init__(self, message: str, since: float | None = None) -> None:
+        """`since`: when (unix time) the request holding it started, where this process knows it."""
+        super().__init__(message)
+        self.since = since
+
 
 class SessionModelMismatch(SessionError):
     code = "session_model_mismatch"

@@ -10,6 +10,7 @@ the journal and the leases.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -208,7 +209,11 @@ class SessionStore:
                     f"session {key.name!r} belongs to model {session.model_id!r}, not {model_id!r}"
                 )
             if session.is_in_use and session is not made:
-                raise SessionBusy(f"session {key.name!r} already has a request in flight")
+                since = session.last_use_wall  # set when the request holding it took it
+                when = datetime.datetime.fromtimestamp(since, datetime.timezone.utc).isoformat(timespec="seconds")
+                age = max(0.0, self._wall() - since)
+                message = f"session {key.name!r} already has a request in flight, since {when} ({age:.0f} s ago)"
+                raise SessionBusy(message, since)
             session.is_in_use = True
         if made is not None:
             self._commit_new(made)  # outside the lock: it may wait on the network

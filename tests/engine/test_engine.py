@@ -4,14 +4,25 @@ counter, limits (timeout, cancel, stop strings and ids), logprobs, seeds, and fa
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from server.engine import loop as loop_module
 from server.engine.sampler import Sampler
 from server.engine.sequence import Sequence
+from server.kv import attention
 from server.sessions.record import SessionKey
-from tests.helpers import collect, make_engine, reference_greedy, request, run, settled, wait_until_async
+from tests.helpers import (
+    DEADLINE_S,
+    collect,
+    make_engine,
+    reference_greedy,
+    request,
+    run,
+    settled,
+    wait_until_async,
+)
 
 
 @pytest.fixture
@@ -104,6 +115,64 @@ async def test_cancel_stops_within_one_step(engine, tiny):
     assert num_decoded < 3000
     await settled(engine)  # another step's chance: nothing more was decoded
     assert engine.counter.num_decode_tokens == num_decoded
+
+
+def hold_prefill_steps_at_layer_one(monkeypatch) -> tuple[threading.Event, threading.Event, list[list[int]]]:
+    """Each prefill step waits before its layer 1 until released; per such step, the layers it attended whole."""
+    real, entered, release, done = attention._paged, threading.Event(), threading.Event(), []
+
+    def held(step, layer, *args):
+        if step.is_abandoned is None:  # a decode-only step
+            return real(step, layer, *args)
+        if layer == 0:
+            done.append([])
+        elif not release.is_set():
+            entered.set()
+            assert release.wait(DEADLINE_S), "the test never released the step"
+        out = real(step, layer, *args)
+        done[-1].append(layer)
+        return out
+
+    monkeypatch.setattr(attention, "_paged", held)
+    return entered, release, done
+
+
+async def test_a_prefill_whose_request_ended_stops_between_layers(engine, tiny, monkeypatch):
+    """A long prefill's client leaves: its step stops before the next layer, so its session is free within a layer,
+    not once the step (a minute on a busy CPU) is over."""
+    entered, release, done = hold_prefill_steps_at_layer_one(monkeypatch)
+    before = engine.counter.num_prefill_tokens
+    handle = engine.submit(request(ids(tiny, "word " * 200), session="left", rid="left", max_tokens=4))
+    await handle.__anext__()  # admitted
+    assert await asyncio.to_thread(entered.wait, DEADLINE_S), "the prefill step did not start"
+    handle.cancel()
+    release.set()
+    assert (await collect(handle)).error.code == "cancelled"
+    assert done == [[0]]  # layer 1 never ran: the step stopped before it
+    assert engine.loop.num_abandoned_steps == 1
+    assert engine.counter.num_prefill_tokens == before  # none of its tokens counts as fed
+    assert engine.store.info(SessionKey("default", "left")) is None  # its first request made no turn: gone
+    assert (await settled(engine)).num_blocks_used == 0
+    again = await run(engine, ids(tiny, "word " * 200), session="left", max_tokens=2)  # the retry is not 409'd
+    assert again.finish_reason in ("stop", "length")
+
+
+async def test_a_prefill_step_another_request_needs_runs_whole(engine, tiny, monkeypatch):
+    """Only a step nothing wants stops: one that also decodes a live request runs every layer."""
+    live = engine.submit(request(ids(tiny, "Hello"), rid="live", max_tokens=3000, ignore_eos=True))
+    await live.__anext__()
+    await wait_until_async(lambda: engine.counter.num_decode_tokens > 0, what="the live request to decode")
+    entered, release, done = hold_prefill_steps_at_layer_one(monkeypatch)
+    gone = engine.submit(request(ids(tiny, "word " * 200), rid="gone", max_tokens=4))
+    await gone.__anext__()
+    assert await asyncio.to_thread(entered.wait, DEADLINE_S), "the prefill step did not start"
+    gone.cancel()
+    release.set()
+    assert (await collect(gone)).error.code == "cancelled"
+    assert done[0] == [0, 1]
+    assert engine.loop.num_abandoned_steps == 0
+    live.cancel()
+    await wait_until_async(lambda: engine.num_active == 0, what="the live request to leave")
 
 
 async def test_concurrent_seeded_requests_do_not_disturb_each_other(engine, tiny):

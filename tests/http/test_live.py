@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import logging
+import re
+import time
 
 import httpx
 
@@ -66,20 +70,35 @@ async def test_non_streaming_disconnect_stops_generation(live):
     assert httpx.get(base + "/v1/sessions/nd").status_code == 404  # its first request made no turn: none kept
 
 
-def test_busy_session_is_409(live):
+def test_busy_session_is_409_saying_since_when_and_when_to_retry(live, caplog):
     base, _ = live
     body = {**LONG, "stream": True, "session_id": "busy"}
+    caplog.set_level(logging.INFO, logger="kvserve.access")
+    asked = int(time.time())
     with httpx.Client() as client, client.stream("POST", base + "/v1/completions", json=body) as r:
         lines = r.iter_lines()  # keep the iterator: dropping it closes the response
         next(lines)
         second = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "session_id": "busy"})
         assert second.status_code == 409
-        assert second.json()["error"] == {
-            "message": "session 'busy' already has a request in flight",
+        error = second.json()["error"]
+        assert {k: error[k] for k in ("type", "param", "code")} == {
             "type": "conflict_error",
             "param": None,
             "code": "session_busy",
         }
+        since = re.fullmatch(
+            r"session 'busy' already has a request in flight, since (\S+) \((\d+) s ago\)", error["message"]
+        )
+        assert since is not None, error["message"]
+        started = datetime.datetime.fromisoformat(since.group(1))
+        assert asked <= started.timestamp() <= time.time()  # when the stream above took the session
+        assert started.utcoffset() == datetime.timedelta(0)
+        assert second.headers["retry-after"] == "1"
+        assert second.headers["x-session-id"] == "busy"
+    refused = httpx.post(base + "/v1/completions", json={**LONG, "max_tokens": 10**6, "session_id": "other"})
+    assert refused.status_code == 400  # refused before it reached the session: the log names it all the same
+    for line in (" 409 .* session=busy$", " 400 .* session=other$"):
+        wait_until(lambda line=line: any(re.search(line, m) for m in caplog.messages), what=f"a log line {line!r}")
 
 
 def test_busy_bucket_never_locks(live):

@@ -22,7 +22,10 @@ def endpoint(api: ApiSpec) -> Any:
     async def create(body: Any, request: Request, serving: Serving, tenant: str) -> Any:
         request.state.model = body.model  # the failure series' label, should it be refused
         arrival = Arrival(tenant, request.headers.get(SESSION_HEADER), api.new_id(), int(time.time()))
-        return await run_turn(serving, api.read(body, arrival), request)
+        turn = api.read(body, arrival)
+        if turn.named is not None and not turn.named.is_bucket:
+            request.state.session = turn.named.name  # the access log names it, whatever the answer
+        return await run_turn(serving, turn, request)
 
     parameter = inspect.Parameter
     create.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
