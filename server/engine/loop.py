@@ -315,8 +315,9 @@ class EngineLoop:
         """Release the session, with the completed turn when there is one (journaled, and committed to Redis with
         replicas, before the client hears of the end); a failure fails the request. On the engine thread, or on
         the committer's: pool work then goes back to the engine thread as errands."""
+        is_unkept = False  # made by this request, which made no turn: gone, but not deleted by anyone
         try:
-            self.store.release(session, turn)  # releases the session even when journaling raises
+            is_unkept = self.store.release(session, turn)  # releases the session even when journaling raises
         except (SharedStoreUncertain, SharedStoreLost) as exc:  # not "as before": the client is told what happened
             log.error("request %s: %s", seq.request.request_id, exc.message)
             event = Failed(exc.code, exc.message)
@@ -330,7 +331,9 @@ class EngineLoop:
             key, is_live = session.key, self.store.is_live(session.key, session)
             if turn is not None and isinstance(event, Finished):
                 self._on_engine(lambda: self.offloader.share(key, tokens))  # to other replicas
-            if not is_live:  # deleted while it ran: none of it is served
+            # Deleted while it ran: none of it is served. A session its failed first request made is only not kept:
+            # what it computed stays as cache, like any failed turn's (a client's retry of it reuses it).
+            if not is_live and not is_unkept:
                 self._on_engine(lambda: self.offloader.forget(key, tokens))
         except Exception:  # what follows the record is best effort; the client is answered whatever happens
             log.exception("request %s: after its turn was recorded", seq.request.request_id)

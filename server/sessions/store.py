@@ -233,11 +233,13 @@ class SessionStore:
             self._table.index.busy(session)
             return session
 
-    def release(self, session: Session, turn: CompletedTurn | None = None) -> None:
+    def release(self, session: Session, turn: CompletedTurn | None = None) -> bool:
         """Give the session back; a completed `turn` is journaled, then applied, before this returns. Raises
         StateUnavailable (disk full...) with the session as it was before the turn, and released: one this request
         made goes, as if never asked for (not with replicas). A prefill-only request (it generated nothing) made no
-        turn: the record stays as it was."""
+        turn: the record stays as it was. Returns whether the session went so (made by this request, which made
+        no turn): not a delete, so the K/V its request computed may stay as cache."""
+        dropped = False
         staged = None
         has_failed = turn is None  # failed or cancelled; a prefill-only request did what it was asked
         if turn is not None and turn.is_prefill_only:
@@ -265,7 +267,8 @@ class SessionStore:
             # A first request that made no turn (it failed, or its turn could not be saved: then this runs while
             # StateUnavailable goes up) leaves no empty session behind, counted toward the tenant's quota.
             if is_claim and staged is None and (has_failed or turn is not None):
-                self._drop_unclaimed(session)
+                dropped = self._drop_unclaimed(session)
+        return dropped
 
     def _journal_turn(self, session: Session, turn: CompletedTurn) -> Session:
         """The session with `turn` applied, committed to the shared store (outside the store's lock: it may wait
@@ -346,18 +349,20 @@ class SessionStore:
                 )
         return session
 
-    def _drop_unclaimed(self, session: Session) -> None:
+    def _drop_unclaimed(self, session: Session) -> bool:
         """A session its first request made, when that request failed: it goes, as if never asked for. Not with
-        replicas: another may have read the record meanwhile and be about to run a turn on it."""
+        replicas: another may have read the record meanwhile and be about to run a turn on it. Whether it went."""
         if self.shared is not None:
-            return
+            return False
         try:
             if self.discard_unused(session):
                 log.info("session %s: its first request made no turn; not kept", session.key.name)
+                return True
         except SessionError as exc:  # the journal or the shared store refused the delete: an empty session stays
             log.warning(
                 "session %s: its first request made no turn, and it could not be removed (%s)", session.key.name, exc
             )
+        return False
 
     def discard_unused(self, session: Session) -> bool:
         """Delete `session` if it is still the live record of its key, idle and empty: one a request made for

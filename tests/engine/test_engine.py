@@ -157,6 +157,31 @@ async def test_a_prefill_whose_request_ended_stops_between_layers(engine, tiny, 
     assert again.finish_reason in ("stop", "length")
 
 
+async def test_a_retry_reuses_what_the_abandoned_first_request_computed(tiny, monkeypatch):
+    """The first request of a session left in its second prefill chunk: the session it made is not kept, but the
+    chunk it finished stays as cache, so the retry computes only the rest."""
+    engine = make_engine(tiny, block_size=4, max_batch_tokens=32)  # alone, a chunk is 4 x 32 tokens
+    try:
+        entered, release, done = hold_prefill_steps_at_layer_one(monkeypatch)
+        release.set()  # the first chunk runs whole
+        prompt = ids(tiny, "word " * 150)
+        handle = engine.submit(request(prompt, session="retried", rid="first", max_tokens=4))
+        await handle.__anext__()
+        await wait_until_async(lambda: len(done) == 1 and done[0] == [0, 1], what="the first chunk")
+        release.clear()
+        assert await asyncio.to_thread(entered.wait, DEADLINE_S), "the second chunk did not start"
+        computed = engine.counter.num_prefill_tokens
+        handle.cancel()
+        release.set()
+        assert (await collect(handle)).error.code == "cancelled"
+        assert engine.loop.num_abandoned_steps == 1
+        assert engine.store.info(SessionKey("default", "retried")) is None
+        again = await run(engine, prompt, session="retried", rid="again", max_tokens=2)
+        assert again.usage.cached_tokens == computed == 128
+    finally:
+        engine.stop()
+
+
 async def test_a_prefill_step_another_request_needs_runs_whole(engine, tiny, monkeypatch):
     """Only a step nothing wants stops: one that also decodes a live request runs every layer."""
     live = engine.submit(request(ids(tiny, "Hello"), rid="live", max_tokens=3000, ignore_eos=True))
