@@ -183,7 +183,7 @@ class ChatMessage(BaseModel):
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCall] | None = Field(None, max_length=128, description="an assistant's calls")
     tool_call_id: str | None = Field(None, max_length=256, description="a tool message: the call it answers")
-    refusal: Unused = None  # echoed assistant messages carry "refusal": null; these models never refuse apart
+    refusal: Unused = None  # echoed assistant messages carry "refusal": null; a refusal's text has no place in a prompt
     parsed: SkipJsonSchema[Any] = None  # the openai SDK's parse() echoes the content it parsed
     annotations: SkipJsonSchema[list[Any] | None] = None
 

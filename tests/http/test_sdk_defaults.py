@@ -175,6 +175,9 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
 MCP = [{"type": "url", "url": "https://mcp.example", "name": "x"}]
 
 
+API = {CHAT: "chat", RESPONSES: "responses", MESSAGES_API: "messages", COUNT: "count_tokens"}
+
+
 def base_body(path: str) -> dict:
     if path == CHAT:
         return {"model": "tiny", "messages": MESSAGES, "max_tokens": 1}
@@ -219,7 +222,7 @@ HINTS = [
 ]
 
 
-@pytest.mark.parametrize(("path", "extra"), HINTS)
+@pytest.mark.parametrize(("path", "extra"), HINTS, ids=[f"{API[p]}:{','.join(extra)}" for p, extra in HINTS])
 def test_an_accepted_hint_is_answered(served, path, extra):
     base, _ = served
     body = base_body(path) | extra
@@ -307,9 +310,7 @@ INVALID = [
 CASES = [(*row, "unsupported_parameter") for row in REFUSED] + [(*row, "invalid_parameter") for row in INVALID]
 
 
-@pytest.mark.parametrize(
-    ("path", "extra", "said", "param", "code"), CASES, ids=[f"{c[0].rsplit('/', 1)[-1]}:{c[2]}" for c in CASES]
-)
+@pytest.mark.parametrize(("path", "extra", "said", "param", "code"), CASES, ids=[f"{API[c[0]]}:{c[2]}" for c in CASES])
 def test_a_refused_field_is_a_400_naming_it(client, path, extra, said, param, code):
     r = client.post(path, json=base_body(path) | extra)
     assert r.status_code == 400, r.text
