@@ -60,6 +60,12 @@ class InputMessage(BaseModel):
     content: str | list[InputPart]
     id: str | None = Field(None, max_length=256)
     status: str | None = Field(None, max_length=32)
+    phase: Unused = None  # null accepted (the SDKs type it optional); a commentary channel these prompts lack
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> InputMessage:
+        reject_unsupported(self, {"phase": (None,)})
+        return self
 
 
 class FunctionCallItem(BaseModel):
@@ -70,6 +76,13 @@ class FunctionCallItem(BaseModel):
     arguments: str
     id: str | None = Field(None, max_length=256)
     status: str | None = Field(None, max_length=32)
+    caller: Unused = None  # null accepted; a program's calls and namespaced tools are OpenAI's machinery
+    namespace: Unused = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> FunctionCallItem:
+        reject_unsupported(self, dict.fromkeys(("caller", "namespace"), (None,)))
+        return self
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -79,6 +92,14 @@ class FunctionCallOutputItem(BaseModel):
     output: str | list[InputPart]
     id: str | None = Field(None, max_length=256)
     status: str | None = Field(None, max_length=32)
+    caller: Unused = None  # null accepted, as on a call
+    namespace: Unused = None
+    name: Unused = None  # the call it answers (call_id) names its function
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> FunctionCallOutputItem:
+        reject_unsupported(self, dict.fromkeys(("caller", "namespace", "name"), (None,)))
+        return self
 
 
 class ItemReference(BaseModel):

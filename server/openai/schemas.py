@@ -184,6 +184,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, max_length=128, description="an assistant's calls")
     tool_call_id: str | None = Field(None, max_length=256, description="a tool message: the call it answers")
     refusal: Unused = None  # echoed assistant messages carry "refusal": null; a refusal's text has no place in a prompt
+    audio: Unused = None  # null accepted (the SDKs type these optional on an assistant message); audio and the
+    function_call: Unused = None  # pre-tools API's call are refused
     parsed: SkipJsonSchema[Any] = None  # the openai SDK's parse() echoes the content it parsed
     annotations: SkipJsonSchema[list[Any] | None] = None
 
@@ -191,7 +193,7 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _fits_its_role(self) -> ChatMessage:
-        reject_unsupported(self, {"refusal": (None,)})
+        reject_unsupported(self, dict.fromkeys(("refusal", "audio", "function_call"), (None,)))
         if self.role == "tool" and self.tool_call_id is None:
             raise PydanticCustomError("value_error", "a tool message needs 'tool_call_id'")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):

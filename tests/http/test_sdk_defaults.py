@@ -199,6 +199,10 @@ def text_part(**fields) -> dict:
     return {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", **fields}]}]}
 
 
+CALL_ITEM = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+OUTPUT_ITEM = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+NULLS = {"caller": None, "namespace": None}  # what the SDKs type as optional on these items, sent as null
+
 # Accepted, with no effect on the answer (docs/api.md says why for each).
 HINTS = [
     (MESSAGES_API, {"tools": [TOOL | {"eager_input_streaming": True, "strict": True, "type": "custom"}]}),
@@ -219,7 +223,11 @@ HINTS = [
     (RESPONSES, {"prompt_cache_options": {"mode": "implicit", "ttl": "12h"}, "parallel_tool_calls": None}),
     (RESPONSES, {"tools": [FUNCTION | {"strict": False, "defer_loading": False, "allowed_callers": ["direct"]}]}),
     (RESPONSES, {"stream": True, "stream_options": {"include_obfuscation": False}}),
-]
+    (RESPONSES, {"input": [{"role": "user", "content": "Hi", "phase": None}, CALL_ITEM | NULLS,
+                           OUTPUT_ITEM | NULLS | {"name": None}], "tools": [FUNCTION]}),
+    (CHAT, {"messages": [*MESSAGES, {"role": "assistant", "content": "Sunny.", "refusal": None, "audio": None,
+                                     "function_call": None}, {"role": "user", "content": "Thanks"}]}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("path", "extra"), HINTS, ids=[f"{API[p]}:{','.join(extra)}" for p, extra in HINTS])
@@ -232,7 +240,6 @@ def test_an_accepted_hint_is_answered(served, path, extra):
 
 # Refused with a 400 naming the field: (route, the body's addition, what the message names, and on the OpenAI routes
 # the error's `param`; Anthropic's envelope has no param).
-CALL_ITEM = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
 SERVER_CALLER = {"caller": {"type": "code_execution_20250825", "tool_id": "srvtoolu_1"}}
 CHARS = {"type": "char_location", "cited_text": "x"}
 REFUSED = [
@@ -293,6 +300,9 @@ REFUSED = [
     (RESPONSES, {"input": [{"type": "reasoning", "summary": []}]}, "input items of type 'reasoning'", "input"),
     (CHAT, {"messages": [*MESSAGES, {"role": "assistant", "content": "No.", "refusal": "No."}]}, "refusal",
      "messages.1.refusal"),
+    (CHAT, {"messages": [*MESSAGES, {"role": "assistant", "content": "x", "audio": {"id": "audio_1"}}]}, "audio",
+     "messages.1.audio"),
+    (RESPONSES, {"input": [CALL_ITEM, OUTPUT_ITEM | {"name": "get_weather"}]}, "input.1.name", "input.1.name"),
 ]  # fmt: skip
 # Refused as values outside what the field takes here (invalid_parameter), named all the same.
 INVALID = [
