@@ -129,8 +129,8 @@ def test_eager_input_streaming_changes_nothing(served):
 def test_the_python_anthropic_sdks_default_calls_are_answered(served, monkeypatch):
     """anthropic (Python): messages.create, messages.stream, count_tokens, and the beta namespace with a @beta_tool
     that sets the hints an Anthropic tool definition may carry (strict, eager input streaming, its callers), through
-    a forced call and its result, echoed back as the SDK returned it. (The beta tool runner sends `thread`: message
-    threads, a separate change.)"""
+    a forced call and its result, echoed back as the SDK returned it, and through the SDK's tool runner (which
+    threads: a call, then its result continuing the thread)."""
     monkeypatch.setattr(tools, "MAX_FORCED_STRING", 12)  # a random model never ends a string by itself
     base, _ = served
     client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
@@ -153,6 +153,11 @@ def test_the_python_anthropic_sdks_default_calls_are_answered(served, monkeypatc
     results = [{"type": "tool_result", "tool_use_id": c.id, "content": get_weather(**c.input)} for c in calls]
     echoed = [*MESSAGES, {"role": "assistant", "content": first.content}, {"role": "user", "content": results}]
     assert client.beta.messages.create(messages=echoed, **forced).stop_reason in ("tool_use", "max_tokens")
+    runner = client.beta.messages.tool_runner(
+        messages=MESSAGES, max_iterations=2, extra_body=GREEDY, **forced | {"tools": [get_weather]}
+    )
+    replies = list(runner)
+    assert [reply.stop_reason for reply in replies] == ["tool_use", "tool_use"]  # a call; its result, a call again
 
 
 def test_the_python_openai_sdks_default_calls_are_answered(served):
