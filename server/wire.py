@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, BeforeValidator, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -38,7 +38,12 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
 
 
 class WireModel(BaseModel):
-    """A request body: strings must be encodable text (a lone surrogate is a 400 naming where it is)."""
+    """A request body: strings must be encodable text (a lone surrogate is a 400 naming where it is).
+
+    `null_is_default` names the fields an SDK types as nullable (`Optional[float]`, `temperature=None`) that this
+    server keeps non-null with a default: a null there means "not set", as it does to the API the SDK speaks."""
+
+    null_is_default: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -48,9 +53,17 @@ class WireModel(BaseModel):
             raise PydanticCustomError("lone_surrogate", "text with a lone surrogate (not valid UTF-8)", {"name": where})
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_as_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in cls.null_is_default):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.null_is_default)}
+        return data
+
 
 def reject_unsupported(model: BaseModel, unsupported: dict[str, tuple[Any, ...]]) -> None:
-    """A 400 naming the first unimplemented field the client set to something that means "use it"."""
+    """A 400 naming the first unimplemented field the client set to something that means "use it". Raised by a
+    nested model, the error's location completes the name (`tools.0.defer_loading`)."""
     for name, unused in unsupported.items():
         if name in model.model_fields_set and getattr(model, name) not in unused:
             raise PydanticCustomError(

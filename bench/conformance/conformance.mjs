@@ -1,8 +1,10 @@
 // What the Node clients people build on do against kvserve: the official openai SDK and the Vercel AI SDK
-// (its default OpenAI provider, which speaks the Responses API). One line per check, PASS or FAIL with why;
-// the exit code is the number of failures. Run by bench/conformance.py: KVSERVE_BASE=http://.../v1 MODEL=...
+// (its default OpenAI provider, which speaks the Responses API, and its Anthropic provider, which speaks the
+// Messages API). One line per check, PASS or FAIL with why; the exit code is the number of failures.
+// Run by bench/conformance.py: KVSERVE_BASE=http://.../v1 MODEL=...
 import OpenAI from "openai";
 import { zodResponseFormat } from "openai/helpers/zod";
+import { createAnthropic } from "@ai-sdk/anthropic";
 import { createOpenAI } from "@ai-sdk/openai";
 import { Output, generateObject, generateText, isStepCount, streamText, tool } from "ai";
 import { z } from "zod";
@@ -11,6 +13,11 @@ const base = process.env.KVSERVE_BASE;
 const model = process.env.MODEL;
 const client = new OpenAI({ baseURL: base, apiKey: "unused", maxRetries: 0 });
 const provider = createOpenAI({ baseURL: base, apiKey: "unused" });
+const sentToAnthropic = [];  // the bodies the Anthropic provider sent, to say what it asked for
+const anthropic = createAnthropic({
+  baseURL: base, apiKey: "unused",
+  fetch: async (url, init) => { sentToAnthropic.push(JSON.parse(init.body)); return fetch(url, init); },
+});
 const weather = { city: z.enum(["Paris", "Rome", "Berlin"]).describe("the city") };
 let failures = 0;
 
@@ -155,6 +162,44 @@ await check("ai-sdk streamText", async () => {
   for await (const part of result.textStream) text += part;
   expect(text, "no text");
   return JSON.stringify(text);
+});
+
+const weatherTool = tool({
+  description: "The weather in a city",
+  inputSchema: z.object(weather),
+  execute: async ({ city }) => `sunny in ${city}`,
+});
+const oneCall = { anthropic: { disableParallelToolUse: true } };  // a 135M model repeats a call it may repeat
+
+await check("ai-sdk anthropic generateText with a tool, two steps (Messages API)", async () => {
+  const result = await generateText({
+    model: anthropic(model), prompt: "What is the weather in Rome?", tools: { weather: weatherTool },
+    toolChoice: "required", providerOptions: oneCall, stopWhen: isStepCount(2), maxOutputTokens: 40, temperature: 0,
+  });
+  const calls = result.steps.flatMap((step) => step.toolCalls);
+  expect(calls.length > 0, "no tool call");
+  return `${calls.map((c) => `${c.toolName}(${JSON.stringify(c.input)})`).join(", ")}, ${result.steps.length} steps`;
+});
+
+await check("ai-sdk anthropic streamText with a tool (eager_input_streaming)", async () => {
+  const before = sentToAnthropic.length;
+  const result = streamText({
+    model: anthropic(model), prompt: "What is the weather in Paris?", tools: { weather: weatherTool },
+    toolChoice: "required", providerOptions: oneCall, maxOutputTokens: 40, temperature: 0,
+  });
+  const kinds = {};
+  let input = "";
+  for await (const part of result.fullStream) {
+    kinds[part.type] = (kinds[part.type] ?? 0) + 1;
+    if (part.type === "tool-input-delta") input += part.delta;
+    if (part.type === "error") throw new Error(String(part.error?.message ?? part.error));
+  }
+  const eager = sentToAnthropic[before].tools.map((t) => t.eager_input_streaming);
+  expect(eager.every((flag) => flag === true), `the provider sent eager_input_streaming ${eager}`);
+  const calls = await result.toolCalls;
+  expect(calls.length > 0, "no tool call");
+  return `sent eager_input_streaming: true; ${kinds["tool-input-delta"] ?? 0} input delta(s) ${input} -> ` +
+    `${calls.map((c) => `${c.toolName}(${JSON.stringify(c.input)})`).join(", ")}`;
 });
 
 process.exit(failures);

@@ -33,8 +33,12 @@ def validation_error(exc: RequestValidationError) -> ApiError:
             400, "invalid_parameter", f"'{where}' holds text that is not valid UTF-8 (a lone surrogate)", where
         )
     if kind in ("unsupported_parameter", "invalid_parameter"):  # our own refusals, naming the field in ctx
-        name = (err.get("ctx") or {}).get("name") or param
-        return ApiError(400, kind, str(err.get("msg")), name)
+        name = (err.get("ctx") or {}).get("name")
+        if name is None:
+            return ApiError(400, kind, str(err.get("msg")), param)
+        # A nested model names its own field ('effort'); where it sits completes it ('output_config.effort').
+        where = name if param is None or name.startswith(param) else f"{param}.{name}"
+        return ApiError(400, kind, str(err.get("msg")).replace(f"'{name}'", f"'{where}'", 1), where)
     if kind == "missing":
         if param is None:
             return ApiError(400, "invalid_json", "the request body is missing")

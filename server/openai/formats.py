@@ -7,11 +7,11 @@ import math
 from decimal import Decimal
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from server.wire import FUNCTION_NAME, MAX_TOOLS
+from server.wire import FUNCTION_NAME, MAX_TOOLS, only_kinds
 
 MAX_NUMBER_DIGITS = 4000  # below Python's int <-> str limit (4300): what `json.dumps` can write back
 
@@ -107,6 +107,10 @@ class ToolFields(BaseModel):
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+
+    _function_tools = field_validator("tools", mode="before")(
+        only_kinds(("function",), "tools", " (function tools are)")
+    )
 
     @model_validator(mode="after")
     def _choice_names_a_tool(self) -> ToolFields:

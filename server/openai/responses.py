@@ -1,4 +1,7 @@
-"""The OpenAI Responses API request, as far as kvserve implements it (the rest is a 400 naming the field)."""
+"""The OpenAI Responses API request, as far as kvserve implements it (the rest is a 400 naming the field).
+
+Every field of the SDKs' request type is honoured, accepted as a hint with no effect, or refused with a 400 naming
+it; docs/api.md has the table, field by field, with the reasons."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from server.openai.schemas import CacheHints, PromptCacheBreakpoint
 from server.wire import FUNCTION_NAME, MAX_TOOLS, SESSION_ID_PATTERN, Unused, WireModel, only_kinds, reject_unsupported
 
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{32}$"
@@ -23,8 +27,15 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "max_tool_calls": (None,),
     "top_logprobs": (None, 0),
     "service_tier": (None, "auto", "default"),
-    "stream_options": (None,),
-    "safety_identifier": (None,),
+    "stream_options": (None, {}, {"include_obfuscation": False}),  # no obfuscation field on these events
+    **dict.fromkeys(("moderation", "context_management", "background_options", "access_programs", "image"), (None,)),
+}
+# A function tool's fields for OpenAI's server-side tool machinery (tool search, programmatic callers) and for what
+# its prompt would show (an output schema): kvserve renders name, description and parameters only.
+FUNCTION_TOOL_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "defer_loading": (None, False),
+    "allowed_callers": (None, ["direct"]),
+    "output_schema": (None,),
 }
 
 
@@ -34,6 +45,7 @@ class InputPart(BaseModel):
     text: str
     annotations: list[Any] | None = None  # echoed output items carry these; nothing to do with them
     logprobs: list[Any] | None = None
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = Field(None, description="accepted, no effect")
 
 
 _text_parts = only_kinds(
@@ -48,6 +60,12 @@ class InputMessage(BaseModel):
     content: str | list[InputPart]
     id: str | None = Field(None, max_length=256)
     status: str | None = Field(None, max_length=32)
+    phase: Unused = None  # null accepted (the SDKs type it optional); a commentary channel these prompts lack
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> InputMessage:
+        reject_unsupported(self, {"phase": (None,)})
+        return self
 
 
 class FunctionCallItem(BaseModel):
@@ -58,6 +76,13 @@ class FunctionCallItem(BaseModel):
     arguments: str
     id: str | None = Field(None, max_length=256)
     status: str | None = Field(None, max_length=32)
+    caller: Unused = None  # null accepted; a program's calls and namespaced tools are OpenAI's machinery
+    namespace: Unused = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> FunctionCallItem:
+        reject_unsupported(self, dict.fromkeys(("caller", "namespace"), (None,)))
+        return self
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -67,18 +92,38 @@ class FunctionCallOutputItem(BaseModel):
     output: str | list[InputPart]
     id: str | None = Field(None, max_length=256)
     status: str | None = Field(None, max_length=32)
+    caller: Unused = None  # null accepted, as on a call
+    namespace: Unused = None
+    name: Unused = None  # the call it answers (call_id) names its function
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> FunctionCallOutputItem:
+        reject_unsupported(self, dict.fromkeys(("caller", "namespace", "name"), (None,)))
+        return self
 
 
 class ItemReference(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["item_reference"]
+    type: Literal["item_reference"] = "item_reference"  # optional in the SDKs: {"id": ...} alone is a reference
     id: str = Field(..., min_length=1, max_length=256, description="an item of a response kvserve stored")
 
 
+ITEM_TAGS = {
+    "message": "InputMessage",
+    "function_call": "FunctionCallItem",
+    "function_call_output": "FunctionCallOutputItem",
+    "item_reference": "ItemReference",
+}
+
+
 def _item_type(item: Any) -> str | None:
-    """An item's tag; None (an unknown type) fails validation, and `_known_items` names it first."""
-    kind = (item.get("type") if isinstance(item, dict) else getattr(item, "type", None)) or "message"
-    return str(kind) if kind in ITEM_TYPES else None
+    """An item's tag (its class's name, which an error's location leaves out); None (an unknown type) fails
+    validation, and `_known_items` names it first. Without a type, an item of an id alone is a reference."""
+    if isinstance(item, dict):
+        kind = item.get("type") or ("item_reference" if set(item) <= {"id", "type"} and "id" in item else "message")
+    else:
+        kind = getattr(item, "type", None) or ("item_reference" if isinstance(item, ItemReference) else "message")
+    return ITEM_TAGS.get(kind) if isinstance(kind, str) else None
 
 
 def _known_items(items: Any) -> Any:
@@ -96,10 +141,10 @@ def _known_items(items: Any) -> Any:
 
 
 InputItem = Annotated[
-    Annotated[InputMessage, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ItemReference, Tag("item_reference")],
+    Annotated[InputMessage, Tag("InputMessage")]
+    | Annotated[FunctionCallItem, Tag("FunctionCallItem")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]
+    | Annotated[ItemReference, Tag("ItemReference")],
     Discriminator(_item_type),
 ]
 
@@ -113,6 +158,14 @@ class FunctionTool(BaseModel):
     description: str | None = Field(None, max_length=8192)
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    defer_loading: Unused = None
+    allowed_callers: Unused = None
+    output_schema: Unused = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> FunctionTool:
+        reject_unsupported(self, FUNCTION_TOOL_UNSUPPORTED)
+        return self
 
 
 _function_tools_only = only_kinds(("function",), "tools", " (function tools are)")
@@ -141,7 +194,7 @@ class TextConfig(BaseModel):
     verbosity: Literal["medium"] | None = None
 
 
-class ResponseRequest(WireModel):
+class ResponseRequest(WireModel, CacheHints):
     model_config = ConfigDict(
         extra="forbid",
         json_schema_extra={
@@ -152,8 +205,11 @@ class ResponseRequest(WireModel):
         },
     )
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
+    null_is_default: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "store", "stream", "parallel_tool_calls")
     model: str = Field(..., min_length=1, max_length=256)
-    input: str | list[InputItem] = Field(..., description="text (one user message) or a list of input items")
+    input: list[InputItem] | str = Field(  # the list first: its errors are the ones worth reporting
+        ..., description="text (one user message) or a list of input items"
+    )
     instructions: str | None = Field(None, description="a system message for this response only (not inherited)")
     previous_response_id: str | None = Field(
         None,
@@ -185,7 +241,11 @@ class ResponseRequest(WireModel):
     top_logprobs: Unused = None
     service_tier: Unused = None
     stream_options: Unused = None
-    safety_identifier: Unused = None
+    moderation: Unused = None
+    context_management: Unused = None
+    background_options: Unused = None
+    access_programs: Unused = None
+    image: Unused = None
 
     _function_tools = field_validator("tools", mode="before")(_function_tools_only)
     _known_input = field_validator("input", mode="before")(_known_items)

@@ -1,4 +1,7 @@
-"""OpenAI wire shapes for requests. Unknown fields and known-but-unimplemented ones are 400s, never ignored."""
+"""OpenAI wire shapes for requests. Unknown fields and known-but-unimplemented ones are 400s, never ignored.
+
+Every field of the SDKs' chat and completions request types is honoured, accepted as a hint with no effect, or
+refused with a 400 naming it; docs/api.md has the table, field by field, with the reasons."""
 
 from __future__ import annotations
 
@@ -22,21 +25,67 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
-    **dict.fromkeys(("suffix", "functions", "function_call", "audio", "modalities", "prediction"), (None,)),
-    **dict.fromkeys(("web_search_options", "reasoning_effort", "service_tier", "store", "metadata"), (None,)),
+    "modalities": (None, ["text"]),  # text is what these models write
+    "service_tier": (None, "auto", "default"),  # one tier here: the default one
+    "store": (None, False),  # a chat completion is never stored (Responses are)
+    **dict.fromkeys(("suffix", "functions", "function_call", "audio", "prediction"), (None,)),
+    **dict.fromkeys(("web_search_options", "reasoning_effort", "metadata"), (None,)),
 }
 COMPLETION_UNSUPPORTED = UNSUPPORTED | dict.fromkeys(("tools", "tool_choice", "parallel_tool_calls"), (None,))
+CHAT_UNSUPPORTED = UNSUPPORTED | {"verbosity": (None, "medium"), "moderation": (None,)}
+NULL_IS_DEFAULT = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "logprobs", "stream")
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: Unused = None  # no obfuscation field on these events: asking for one is refused
+
+    @model_validator(mode="after")
+    def _no_obfuscation(self) -> StreamOptions:
+        reject_unsupported(self, {"include_obfuscation": (None, False)})
+        return self
+
+
+class PromptCacheBreakpoint(BaseModel):
+    """OpenAI's explicit cache breakpoint: a hint here, where every prompt's K/V is kept by prefix anyway."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
+
+
+class PromptCacheOptions(BaseModel):
+    """How OpenAI caches a prompt: hints here, where every prompt's K/V is kept by prefix, as memory allows (a mode,
+    a lifetime). Warming without generating and cache diagnostics are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m", "12h"] | None = None
+    prewarm: Unused = None
+    comparison_response_id: Unused = None
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self) -> PromptCacheOptions:
+        reject_unsupported(self, {"prewarm": (None, False), "comparison_response_id": (None,)})
+        return self
+
+
+class CacheHints(BaseModel):
+    """Chat's and Responses' caching and tracing hints: accepted, with no effect on the answer."""
+
+    prompt_cache_options: PromptCacheOptions | None = Field(None, description="accepted, no effect: a cache hint")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="accepted, no effect: K/V is kept as memory allows"
+    )
+    safety_identifier: str | None = Field(None, max_length=256, description="accepted, no effect: a tracing id")
 
 
 class _Unsupported(WireModel):
     """Declares the unimplemented fields so clients get a 400 naming the field they set."""
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
+    null_is_default: ClassVar[tuple[str, ...]] = NULL_IS_DEFAULT
     n: Unused = None
     best_of: Unused = None
     echo: Unused = None
@@ -121,6 +170,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = Field(None, description="accepted, no effect")
 
 
 text_parts_only = only_kinds(("text", None), "content parts", ": this server's models read text only")
@@ -133,7 +183,9 @@ class ChatMessage(BaseModel):
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCall] | None = Field(None, max_length=128, description="an assistant's calls")
     tool_call_id: str | None = Field(None, max_length=256, description="a tool message: the call it answers")
-    refusal: SkipJsonSchema[None] = None  # echoed assistant messages carry "refusal": null
+    refusal: Unused = None  # echoed assistant messages carry "refusal": null; a refusal's text has no place in a prompt
+    audio: Unused = None  # null accepted (the SDKs type these optional on an assistant message); audio and the
+    function_call: Unused = None  # pre-tools API's call are refused
     parsed: SkipJsonSchema[Any] = None  # the openai SDK's parse() echoes the content it parsed
     annotations: SkipJsonSchema[list[Any] | None] = None
 
@@ -141,6 +193,7 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _fits_its_role(self) -> ChatMessage:
+        reject_unsupported(self, dict.fromkeys(("refusal", "audio", "function_call"), (None,)))
         if self.role == "tool" and self.tool_call_id is None:
             raise PydanticCustomError("value_error", "a tool message needs 'tool_call_id'")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
@@ -157,11 +210,14 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(SamplingFields, ToolFields):
+class ChatCompletionRequest(SamplingFields, ToolFields, CacheHints):
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_UNSUPPORTED
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    verbosity: Unused = None  # how terse the answer is: these models have no such control, only the default
+    moderation: Unused = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> Self:

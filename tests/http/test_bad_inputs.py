@@ -70,7 +70,7 @@ CASES = [
     ("top_p = 0", "post", CHAT, chat(top_p=0), 400, "invalid_parameter"),
     ("top_p > 1", "post", CHAT, chat(top_p=1.5), 400, "invalid_parameter"),
     ("huge n", "post", CHAT, chat(n=1000000), 400, "unsupported_parameter"),
-    ("a tool of no known type", "post", CHAT, chat(tools=[{"type": "web_search"}]), 400, "invalid_parameter"),
+    ("a tool of no known type", "post", CHAT, chat(tools=[{"type": "web_search"}]), 400, "unsupported_parameter"),
     ("oversized stop list", "post", CHAT, chat(stop=["x"] * 17), 400, "invalid_parameter"),
     ("oversized stop string", "post", CHAT, chat(stop="x" * 257), 400, "invalid_parameter"),
     ("oversized logit_bias", "post", CHAT, chat(logit_bias={str(i): 1 for i in range(1025)}), 400, "invalid_parameter"),
