@@ -1,7 +1,9 @@
 // What the Node clients people build on do against kvserve: the official openai SDK and the Vercel AI SDK
 // (its default OpenAI provider, which speaks the Responses API, and its Anthropic provider, which speaks the
-// Messages API). One line per check, PASS or FAIL with why; the exit code is the number of failures.
+// Messages API), and Anthropic's own SDK (its tool runner, on message threads). One line per check, PASS or FAIL with why; the exit code is the number of failures.
 // Run by bench/conformance.py: KVSERVE_BASE=http://.../v1 MODEL=...
+import Anthropic from "@anthropic-ai/sdk";
+import { betaTool } from "@anthropic-ai/sdk/helpers/beta/json-schema";
 import OpenAI from "openai";
 import { zodResponseFormat } from "openai/helpers/zod";
 import { createAnthropic } from "@ai-sdk/anthropic";
@@ -200,6 +202,32 @@ await check("ai-sdk anthropic streamText with a tool (eager_input_streaming)", a
   expect(calls.length > 0, "no tool call");
   return `sent eager_input_streaming: true; ${kinds["tool-input-delta"] ?? 0} input delta(s) ${input} -> ` +
     `${calls.map((c) => `${c.toolName}(${JSON.stringify(c.input)})`).join(", ")}`;
+});
+
+await check("anthropic-node beta.messages.toolRunner: three steps on one message thread", async () => {
+  const sent = [];
+  const claude = new Anthropic({
+    baseURL: base.replace(/\/v1$/, ""), apiKey: "unused", maxRetries: 0,
+    fetch: async (url, init) => { sent.push(JSON.parse(init.body)); return fetch(url, init); },
+  });
+  const cities = [];
+  const getWeather = betaTool({
+    name: "get_weather", description: "The current weather in a city",
+    inputSchema: { type: "object", properties: { city: { type: "string" } }, required: ["city"] },
+    run: async ({ city }) => { cities.push(city); return `It is sunny in ${city} and 22 degrees.`; },
+  });
+  const runner = claude.beta.messages.toolRunner({
+    model, max_tokens: 64, tools: [getWeather], tool_choice: { type: "any" }, max_iterations: 3, temperature: 0,
+    messages: [{ role: "user", content: "What is the weather in Paris?" }],
+  });
+  const reads = [];
+  for await (const message of runner) reads.push(message.usage.cache_read_input_tokens);
+  expect(reads.length === 3, `${reads.length} steps`);
+  expect(reads.slice(1).every((n) => n > 0), `cache reads per step ${reads}`);
+  const threads = sent.map((body) => body.thread?.type ?? "none");
+  expect(threads.join() === "create,continue,continue", `threads ${threads}`);
+  expect(sent.slice(1).every((body) => body.messages.length === 1), "a continue sent more than its new turn");
+  return `threads ${threads.join(", ")}; cache reads per step ${reads.join(", ")}; called for ${cities.join(", ")}`;
 });
 
 process.exit(failures);
