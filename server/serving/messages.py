@@ -10,19 +10,13 @@ the cached part ends for the accounting Anthropic's clients read: tokens up to t
 that were computed now are `cache_creation_input_tokens`, reused ones `cache_read_input_tokens`, the
 rest `input_tokens`. Its `ttl` becomes the TTL of a session the request creates.
 
-Message threads (`thread`, Anthropic's `message-threads` beta, which both of its SDKs' tool runners send): a
-`create` keeps the turn as a node of the store (kind `message`, keyed by the answer's id, the tenant's, journaled
-and shared like a stored response); a `continue` names a previous answer and sends only the new messages: the
-node's conversation, `system` and tools are the prompt's start, continued token-exactly from its transcript and
-K/V. Each message is continued once; unknown, foreign or unfinished ones are 404 `thread_not_found` (the SDKs then
-replay the conversation as a new thread).
+Message threads (`thread`) are in threads.py: a thread's turn reads `ThreadHistory` and runs in a `ThreadNode`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +26,11 @@ from server.engine.engine import Engine
 from server.engine.request import SamplingParams
 from server.models.loader import LoadedModel
 from server.openai.errors import ApiError
-from server.serving import continuation
+from server.serving import continuation, threads
 from server.serving.core import Serving
 from server.serving.pipeline import (
     Answer,
     Arrival,
-    Conversation,
     History,
     NamedSession,
     OnNamed,
@@ -53,12 +46,9 @@ from server.serving.render.messages import MessageRenderer
 from server.serving.tool_reader import ToolReader
 from server.serving.tools import NO_PARAMETERS, ToolSpec, ToolUse, assistant_message, tool_call
 from server.sessions.chat import ChatMessage
-from server.sessions.errors import SessionBusy, SessionError, SessionNotFound
-from server.sessions.record import CompletedTurn, Session, SessionKey
+from server.sessions.errors import SessionBusy, SessionError
+from server.sessions.record import Session, SessionKey
 from server.sessions.store import SessionStore
-
-THREAD_KIND = "message"  # a thread's node in the store: the answer it holds, keyed by that answer's id
-MESSAGE_ID = r"^msg_[0-9a-f]{32}$"  # the ids this server gives answers (apis.py: its prefix and a uuid's hex)
 
 
 class Messages:
@@ -66,12 +56,7 @@ class Messages:
 
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
-        store = serving.store
-        store.on_turn(THREAD_KIND, record_node)
-        for key in store.session_keys(THREAD_KIND):  # nodes a previous run never finished: nothing continues them
-            view = store.view(key)
-            if view is not None and view.extras.get("status") == "in_progress":
-                store.delete(key)
+        threads.keep_nodes(serving.store)
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
         loaded = self.serving.engine(req.model).loaded
@@ -98,104 +83,6 @@ class MessageAnswer(Answer):
             boundary = await asyncio.to_thread(prefix_len, started.engine.loaded, prefix, started.conversation.tools)
         model_id, admitted = started.engine.model_id, started.admitted
         return MessageRenderer(turn.request_id, model_id, reader, boundary, admitted, self.ttl_s)
-
-
-@dataclass(slots=True, frozen=True)
-class ThreadHistory(History):
-    """A thread continued (Anthropic's message threads): the conversation its node holds, `system` and the tools
-    included, then the request's new messages; the prompt continues the node's transcript token-exactly. The tool
-    choice is the request's own (a turn may change it), over the thread's tools."""
-
-    previous_id: str
-    choice: str = "auto"  # as ToolUse's
-    function: str | None = None
-    parallel: bool = True
-
-    async def read(self, serving: Serving, engine: Engine, turn: Turn) -> Conversation:
-        assert turn.messages is not None
-        node = await serving.off_loop(thread_node, serving.store, turn.tenant, self.previous_id)
-        if node is None or node.extras.get("status") != "completed":
-            raise thread_not_found(self.previous_id)
-        if node.model_id != engine.model_id:
-            message = f"the thread was made with model {node.model_id!r}: continue it with that model"
-            raise ApiError(400, "thread_fingerprint_mismatch", message, "model")
-        return Conversation(node.messages + turn.messages, node, self._tools(node.tools))
-
-    def _tools(self, definitions: list[dict[str, Any]] | None) -> ToolUse | None:
-        specs = tuple(
-            ToolSpec(d["function"]["name"], d["function"].get("description"), d["function"]["parameters"])
-            for d in definitions or []
-        )
-        if self.choice in ("required", "function") and not any(
-            self.choice == "required" or spec.name == self.function for spec in specs
-        ):
-            message = "tool_choice names a tool the thread does not have" if specs else "the thread has no tools"
-            raise ApiError(400, "invalid_parameter", message, "tool_choice")
-        return ToolUse(specs, self.choice, self.function, self.parallel) if specs else None
-
-
-@dataclass(slots=True, frozen=True)
-class ThreadNode(Place):
-    """A thread's turn is a node of the store (kind `message`, keyed by the answer's id, the tenant's, kept like a
-    stored response), the engine's session: it records the turn. A continue first marks its parent continued by
-    this node: each message is continued once (a second continue is refused, and the client's SDK replays the
-    conversation as a new thread)."""
-
-    parent_id: str | None
-
-    async def place(self, serving: Serving, engine: Engine, turn: Turn, num_tokens: int) -> Placement:
-        store, key = serving.store, SessionKey(turn.tenant, turn.request_id, THREAD_KIND)
-        serving.check_quota(key, num_tokens, engine)  # before the node exists
-        parent = None
-        if self.parent_id is not None:
-            parent = SessionKey(turn.tenant, self.parent_id, THREAD_KIND)
-            await serving.off_loop(claim, store, parent, key.name)
-        ttl, extras = serving.settings.response_retention_s, {"status": "in_progress"}
-        await serving.off_loop(store.create, key, engine.model_id, ttl, parent=self.parent_id, extras=extras)
-        # A node whose turn did not complete goes (a parent it claimed is then free again: it names no node).
-        return Placement(key, parent, lambda: serving.off_loop(store.delete, key))
-
-
-def thread_node(store: SessionStore, tenant: str, message_id: str) -> Session | None:
-    if not re.fullmatch(MESSAGE_ID, message_id):
-        return None  # never one of ours: found nowhere
-    return store.view(SessionKey(tenant, message_id, THREAD_KIND))
-
-
-def claim(store: SessionStore, parent: SessionKey, child: str) -> None:
-    """Mark the node `parent` continued by `child`, once: refused while another continue of it runs, and once one
-    completed. A mark naming a node that no longer exists (its turn failed) is free."""
-    node = store.view(parent)
-    if node is None or node.extras.get("status") != "completed":
-        raise thread_not_found(parent.name)
-    held = node.extras.get("continued_by")
-    other = store.view(SessionKey(parent.tenant, held, THREAD_KIND)) if isinstance(held, str) else None
-    if other is not None and other.extras.get("status") == "in_progress":
-        raise continue_in_flight(parent.name)
-    if other is not None:
-        message = f"message {parent.name!r} was continued already (by {held!r}); continue from the thread's latest"
-        raise ApiError(400, "thread_already_continued", message, "thread.previous_message_id")
-    try:
-        store.mark(parent, "continued_by", child, held)
-    except SessionNotFound as exc:
-        raise thread_not_found(parent.name) from exc
-    except SessionBusy as exc:  # another request marked it meanwhile (here or on another replica)
-        raise continue_in_flight(parent.name) from exc
-
-
-def record_node(extras: dict[str, Any], turn: CompletedTurn) -> None:
-    """The store's hook for thread nodes: the turn completed, so the node can be continued."""
-    extras.update(status="completed", finish_reason=turn.finish_reason)
-
-
-def thread_not_found(message_id: str) -> ApiError:
-    message = f"no thread holds message {message_id!r}; send the whole conversation with thread.type 'create'"
-    return ApiError(404, "thread_not_found", message, "thread.previous_message_id")
-
-
-def continue_in_flight(message_id: str) -> ApiError:
-    message = f"another request is continuing message {message_id!r}; continue from its answer when it ends"
-    return ApiError(400, "thread_continue_in_flight", message, "thread.previous_message_id")
 
 
 @dataclass(slots=True, frozen=True)
@@ -242,8 +129,8 @@ def read_message(req: MessagesRequest, arrival: Arrival) -> Turn:
     place: Place = WithTtl(ttl) if ttl is not None else OnNamed()
     if req.thread is not None:
         previous = req.continues
-        history = ThreadHistory(previous, *_choice(req)) if previous is not None else history
-        place = ThreadNode(previous)
+        history = threads.ThreadHistory(previous, *_choice(req)) if previous is not None else history
+        place = threads.ThreadNode(previous)
     fmt = req.output_config.format if req.output_config is not None else None
     sampling = SamplingParams(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k or 0, stop=list(req.stop_sequences or [])

@@ -15,7 +15,7 @@ import anthropic
 import httpx
 import pytest
 
-from server.serving.messages import THREAD_KIND
+from server.serving.threads import THREAD_KIND
 from server.sessions.record import SessionKey
 from server.settings import Settings
 from tests.helpers import DEADLINE_S, wait_until

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from server.anthropic.schemas import MessagesRequest
 from server.engine.request import SamplingParams
@@ -19,6 +20,7 @@ from server.serving.completions import CompletionAnswer, read_chat, read_complet
 from server.serving.messages import MessageAnswer, WithTtl, read_message
 from server.serving.pipeline import Arrival, NamedSession, OnNamed, Stateless, Turn
 from server.serving.responses import ResponseAnswer, ResponseHistory, ResponsePlace, read_response
+from server.serving.threads import ThreadHistory, ThreadNode
 from server.serving.tools import ToolSpec, ToolUse
 from server.sessions.record import SessionKey
 
@@ -141,6 +143,38 @@ def test_a_messages_breakpoint_on_a_message_counts_the_messages_before_it():
     assert turn.answer == MessageAnswer(1, 300.0)
     plain = read_message(req.model_copy(update={"messages": req.messages[1:]}), ARRIVAL)
     assert (plain.answer, plain.place) == (MessageAnswer(None, None), OnNamed())
+
+
+def test_a_thread_create_is_a_node_and_a_continue_reads_its_parent():
+    create = read_message(
+        MessagesRequest(
+            model="m", max_tokens=5, messages=[{"role": "user", "content": "Hi"}], thread={"type": "create"}
+        ),
+        ARRIVAL,
+    )
+    assert (create.history, create.place, create.named) == (NamedSession(), ThreadNode(None), None)
+    body = {
+        "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "More"}],
+        "thread": {"type": "continue", "previous_message_id": "msg_" + "a" * 32},
+        "tool_choice": {"type": "tool", "name": "w", "disable_parallel_tool_use": True},
+    }  # fmt: skip
+    turn = read_message(MessagesRequest(**body), ARRIVAL)
+    assert turn.history == ThreadHistory("msg_" + "a" * 32, "function", "w", False)  # a turn may pick the tool
+    assert turn.place == ThreadNode("msg_" + "a" * 32)
+    assert turn.messages == [{"role": "user", "content": "More"}]  # only the new turn: the thread holds the rest
+    assert turn.tools is None  # the thread's, read with the node
+
+
+def test_a_thread_is_no_session_and_a_continue_sends_no_system_or_tools():
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}
+    with pytest.raises(ApiError) as err:
+        read_message(MessagesRequest(**body, thread={"type": "create"}), Arrival("alice", "s1", "r", 0))
+    assert (err.value.status, err.value.param) == (400, "thread")
+    continued = {**body, "thread": {"type": "continue", "previous_message_id": "msg_" + "a" * 32}}
+    for field, value in (("system", "Be brief."), ("tools", [{"name": "w", "input_schema": WEATHER}])):
+        with pytest.raises(ValidationError) as invalid:
+            MessagesRequest(**continued, **{field: value})
+        assert invalid.value.errors()[0]["ctx"]["name"] == field
 
 
 def test_a_responses_body_is_its_items_after_its_parent():

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from server.openai.errors import ApiError
-from server.serving.messages import THREAD_KIND, claim, thread_node
+from server.serving.threads import THREAD_KIND, claim, thread_node
 from server.sessions.errors import SessionBusy
 from server.sessions.journal import Journal
 from server.sessions.record import SessionKey
