@@ -148,7 +148,7 @@ def main() -> int:
 
 
 def report(out: Path, results: dict, args) -> None:
-    from report_concurrency import render
+    from concurrency_report import render
 
     out.mkdir(parents=True, exist_ok=True)
     replace_section(out / "benchmarks.md", "concurrency", render(out, results, args, machine_line()))

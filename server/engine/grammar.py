@@ -1,6 +1,6 @@
 """Constrained decoding: a request's grammar masks the tokens it cannot take next, inside the batched step.
 
-The grammar library is llguidance (bench/grammar_cost.py compares it with xgrammar; docs/benchmarks.md).
+The grammar library is llguidance (bench/probes/grammar_cost.py compares it with xgrammar; docs/benchmarks.md).
 `Grammars` holds what it needs per model (its view of the tokenizer, built once, ~1 s) and compiles a
 grammar (a JSON schema or a Lark grammar, as llguidance's grammar text) into a `Constraint`: one
 request's matcher. Each step, the constrained rows' masks are computed together, on llguidance's own

@@ -6,7 +6,7 @@ stops letting idle workers spin between parallel regions: each region then waits
 be woken. A decode step is a thousand short regions (a linear layer of one row takes tens of
 microseconds), so that wake-up doubled its time: measured on a 2-core EPYC, the default model's linear
 layers of one decode step took 10 ms from the only team, 22 ms from the engine thread once the loading
-thread had a team too (bench/step_cost.py measures in-process, from the main thread, and never showed it).
+thread had a team too (bench/probes/step_cost.py measures in-process, from the main thread, and never showed it).
 
 So the server starts every thread single-threaded for torch (OMP_NUM_THREADS=1, set before torch is
 imported) and gives the compute threads back to the threads whose work is compute: the engine thread,

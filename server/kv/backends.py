@@ -49,7 +49,7 @@ log = logging.getLogger("kvserve.engine")
 SDPA_BACKEND, KERNEL_BACKEND, TILED_BACKEND, TRITON_BACKEND = "sdpa", "kernel", "tiled", "triton"
 BACKENDS = (SDPA_BACKEND, KERNEL_BACKEND, TILED_BACKEND, TRITON_BACKEND)
 # Decode rows with at most this many keys go to the decode kernel, all in one call: it saves SDPA's per-call cost,
-# which is most of a short row's time (bench/attention_cost.py). A longer row shares a head with the rows whose
+# which is most of a short row's time (bench/probes/attention_cost.py). A longer row shares a head with the rows whose
 # blocks start alike (cascade attention); a lone one goes the way timed fastest on this machine at start
 # (server/kv/routing.py). SDPA never reads gathered slots for a decode row (the kernel is cheaper).
 KERNEL_MAX_CONTEXT = 256

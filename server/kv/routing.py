@@ -5,7 +5,7 @@ attended three ways: by the paged kernel whole, by SDPA on a view of the pool (w
 one run), or as a head (torch's CPU flash attention over its leading run of blocks, returning the
 log-sum-exp) that the kernel resumes. Which is fastest depends on the CPU and the dtype, and not by
 a little: SDPA's one-query path in bf16 is 7x slower than the kernel on an AVX512-BF16 EPYC without
-AMX, and 1.8x faster on an AMX Xeon (bench/attention_cost.py). So the runner times each, once, on
+AMX, and 1.8x faster on an AMX Xeon (bench/probes/attention_cost.py). So the runner times each, once, on
 a representative context in the pool's own dtype and head shapes, and routes lone rows by the
 fastest. The answer is the same either way up to rounding; only the time differs.
 

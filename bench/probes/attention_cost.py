@@ -1,7 +1,7 @@
 """Decode-row attention for one layer of the default model's shape: one SDPA call per sequence vs one call of the
 paged kernel for all of them, by context length and batch (in-process, best of repeated calls).
 
-This is what sets `KERNEL_MAX_CONTEXT` in server/engine/model_runner.py: the kernel saves SDPA's per-call cost,
+This is what sets `KERNEL_MAX_CONTEXT` in server/kv/backends.py: the kernel saves SDPA's per-call cost,
 which is most of a short row's time. Which is faster for a long row depends on the CPU (the runner times it at
 start: server/kv/routing.py).
 
@@ -12,19 +12,22 @@ heads), the kernel on each whole row, and the head in one flash call for all row
 The third table is a prefill chunk: SDPA on a view of the pool with the causal mask (one call per chunk) against
 the paged prefill kernel (bf16, AVX512-BF16), by chunk length and the keys the chunk ends at.
 
-    python bench/attention_cost.py [--contexts 128,256,384,512,1024,1500] [--batches 1,8] [--head 1504]
+    python bench/probes/attention_cost.py [--contexts 128,256,384,512,1024,1500] [--batches 1,8] [--head 1504]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree
 from server.kv import kernels
-from server.kv.attention import SeqSpan, SharedHead, attend, attend_heads
+from server.kv.attention import SeqSpan, SharedHead, attend, flash_heads
 
 KV_HEADS, HEADS, DIM, BLOCK = 3, 9, 64, 16  # SmolLM2-135M
 
@@ -74,7 +77,7 @@ def compare(context: int, batch: int, dtype: torch.dtype) -> tuple[float, float]
     return best_us(per_sequence), best_us(kernel)
 
 
-def cascade(batch: int, head: int, tail: int, dtype: torch.dtype) -> tuple[float, ...]:
+def cascade(batch: int, head: int, tail: int, dtype: torch.dtype) -> tuple[float, float, float]:
     """Rows sharing `head` keys (one run of blocks) with `tail` keys each in scattered blocks: us per layer."""
     num_blocks = 4096
     k_pool = torch.randn(KV_HEADS, num_blocks * BLOCK, DIM, dtype=dtype)
@@ -107,18 +110,9 @@ def cascade(batch: int, head: int, tail: int, dtype: torch.dtype) -> tuple[float
     first_keys = torch.full((batch,), head, dtype=torch.int32)
 
     def with_head() -> None:
-        kernel(first_keys, *attend_heads(query, k_pool, v_pool, heads, scale))
+        kernel(first_keys, *flash_heads(query, k_pool, v_pool, heads, scale))
 
-    timed = [best_us(gathered_sdpa), best_us(lambda: kernel(empty, empty, empty)), best_us(with_head)]
-    if dtype == torch.bfloat16 and kernels.paged_prefill_available(dtype, DIM):  # the head read by the kernel
-        blocks = torch.tensor(shared, dtype=torch.int32)
-        by_kernel = [SharedHead(torch.arange(batch), head, shared[0] * BLOCK, None, blocks)]
-
-        def kernel_head() -> None:
-            kernel(first_keys, *attend_heads(query, k_pool, v_pool, by_kernel, scale, BLOCK))
-
-        timed.append(best_us(kernel_head))
-    return tuple(timed)
+    return best_us(gathered_sdpa), best_us(lambda: kernel(empty, empty, empty)), best_us(with_head)
 
 
 def prefill(chunk: int, context: int) -> tuple[float, float]:
@@ -168,17 +162,13 @@ def main() -> None:
                 name = str(dtype).removeprefix("torch.")
                 print(f"{name:<9} {context:7d} {batch:5d} {sdpa:13.0f} {kernel:8.0f} {kernel / sdpa:12.2f}")
     print(f"\ncascade: {args.head} shared keys (one run) + each row's own tail (scattered blocks)")
-    print(
-        f"{'dtype':<9} {'tail':>5} {'batch':>5} {'SDPA gathered':>14} {'kernel whole':>13} {'head+kernel':>12}"
-        f" {'head by kernel':>15}"
-    )
+    print(f"{'dtype':<9} {'tail':>5} {'batch':>5} {'SDPA gathered':>14} {'kernel whole':>13} {'head+kernel':>12}")
     for dtype in (torch.float32, torch.bfloat16):
         for tail in args.tails:
             for batch in sorted({1, 4, *args.batches}):
-                sdpa, whole, split, *by_kernel = cascade(batch, args.head, tail, dtype)
+                sdpa, whole, split = cascade(batch, args.head, tail, dtype)
                 name = str(dtype).removeprefix("torch.")
-                last = f" {by_kernel[0]:15.0f}" if by_kernel else f" {'-':>15}"
-                print(f"{name:<9} {tail:5d} {batch:5d} {sdpa:14.0f} {whole:13.0f} {split:12.0f}{last}")
+                print(f"{name:<9} {tail:5d} {batch:5d} {sdpa:14.0f} {whole:13.0f} {split:12.0f}")
     if not kernels.paged_prefill_available(torch.bfloat16, DIM):
         print("\nno paged prefill kernel here (it needs AVX512-BF16): prefill chunks are SDPA calls")
         return

@@ -13,13 +13,14 @@ element-wise ops between them) and the Python around it:
 Medians of repeated forwards, side by side in one run; the ratio is eager time / compiled time
 (above 1: compiling pays).
 
-    python bench/compile_cost.py [--rows 1,8,64,256,1024] [--repeats 20]
+    python bench/probes/compile_cost.py [--rows 1,8,64,256,1024] [--repeats 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree
 from server.models.loader import read_specs, resolve_source
 from server.models.packed_linear import pack_linears
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @torch.library.custom_op("kvserve_bench::causal_attention", mutates_args=())

@@ -1,6 +1,6 @@
 """Choosing the grammar library: llguidance against xgrammar, side by side in one run.
 
-python bench/grammar_cost.py [--batch 8] [--steps 200] [--documents 30] [--no-docs]
+python bench/probes/grammar_cost.py [--batch 8] [--steps 200] [--documents 30] [--no-docs]
 
 kvserve depends on llguidance only; `pip install xgrammar` first to compare (it brings triton, ~1 GB).
 
@@ -36,8 +36,8 @@ import jsonschema
 import torch
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py and the benchmarks
 from common import ROOT, machine_line, replace_section
 
 from server.engine.grammar import apply_bitmask  # the server's own, for both libraries
@@ -213,8 +213,8 @@ def report(results: dict, args) -> str:
     lines = [
         "## Grammars: choosing the structured-output library",
         "",
-        f"`python bench/grammar_cost.py` ({machine_line()}), SmolLM2's tokenizer (49,152 tokens). Cost: one JSON "
-        f"schema (bounded strings, an integer range, an enum, an array, a nested object), {args.batch} sequences "
+        f"`python bench/probes/grammar_cost.py` ({machine_line()}), SmolLM2's tokenizer (49,152 tokens). Cost: one "
+        f"JSON schema (bounded strings, an integer range, an enum, an array, a nested object), {args.batch} sequences "
         f"decoding together for {args.steps} steps from random logits, each library's own batched mask call, the "
         "same mask application for both; microseconds per decoded token, medians over steps.",
         "",

@@ -6,25 +6,27 @@ attended to one SDPA call per sequence vs one paged-kernel call per layer (serve
 Also where a batch-1 decode step's time goes (torch profiler, by operator). Medians of
 repeated steps, side by side in one run.
 
-    python bench/step_cost.py [--context 1500] [--repeats 15]
+    python bench/probes/step_cost.py [--context 1500] [--repeats 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree
 from server.kv import kernels
 from server.kv.attention import DecodeRows, SeqSpan, StepMeta, install, stepping
 from server.kv.pool import KVLayout, KVPool
 from server.models.loader import read_specs, resolve_source
 from server.models.packed_linear import pack_linears
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 16
 STEP = "step"  # the kwargs' StepMeta, set around the forward (server.kv.attention.stepping)
 

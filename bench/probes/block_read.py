@@ -1,6 +1,6 @@
 """Reading a session's K/V back from the disk tier's block store, alone: where a disk restore's time goes.
 
-python bench/block_read.py [--tokens 2000] [--dtype bfloat16] [--repeats 3]
+python bench/probes/block_read.py [--tokens 2000] [--dtype bfloat16] [--repeats 3]
 
 A synthetic snapshot with SmolLM2-135M's K/V layout (30 layers, 3 kv heads, head_dim 64) is written
 through `TierStore` (one safetensors file per 16-token block and a manifest), then read back with
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py and the benchmarks
 from common import drop_page_cache
 
 from server.kv.block_store import addresses, join_blocks

@@ -7,7 +7,7 @@ transformers builds its own, as before), alternating: a continued turn's time to
 cached tokens, 8 conversations decoding 48 tokens at once, and the forward pass alone of a 40-token chunk
 after 1,400 keys (5 passes a round). Medians of --rounds.
 
-    python bench/step_mask.py [--rounds 8]
+    python bench/probes/step_mask.py [--rounds 8]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py and the benchmarks
 from server.engine.threads import confine_to_one_team
 
 confine_to_one_team()

@@ -2,19 +2,21 @@
 
 Used to decide whether to build on transformers' generation/continuous_batching (docs/architecture.md).
 
-    python bench/hf_continuous_batching.py [--num 8] [--new 32]
+    python bench/probes/hf_continuous_batching.py [--num 8] [--new 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import Finished, GenerationRequest, SamplingParams
@@ -22,7 +24,7 @@ from server.kv.tiers import TierStore
 from server.models.loader import load_model, read_specs
 from server.sessions.store import SessionStore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def prompts(tokenizer, num: int) -> list[list[int]]:
