@@ -8,7 +8,7 @@ single-token decode steps) in fp32 and in bf16, alternating, for each model's sh
 (whose OpenMP workers spin while a descheduled peer finishes, in CPU time too), show how a start-time timing
 went wrong on a busy host. `--busy N` runs N processes spinning beside it.
 
-    python bench/dtype_cpu.py [--threads 1] [--clock thread|process|wall] [--trials 3] [--busy 0]
+    python bench/probes/dtype_cpu.py [--threads 1] [--clock thread|process|wall] [--trials 3] [--busy 0]
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the source tree
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 
 import torch
 from common import ROOT, machine_line
