@@ -77,7 +77,7 @@ def only_kinds(allowed: tuple[str | None, ...], what: str, why: str) -> Callable
 
     def check(value: Any) -> Any:
         for item in value if isinstance(value, list) else []:
-            kind = item.get("type") if isinstance(item, dict) else None
+            kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)  # a model, validated
             if kind not in allowed:
                 message = f"{what} of type '{{kind}}' are not supported{why}"
                 raise PydanticCustomError("unsupported_parameter", message, {"kind": str(kind)[:40]})

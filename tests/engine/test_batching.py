@@ -266,11 +266,11 @@ async def test_a_failed_forward_fails_that_step_and_the_engine_goes_on(engine, t
     real = ModelRunner.run
     calls = {"n": 0}
 
-    def failing_once(self, rows):
+    def failing_once(self, rows, is_abandoned=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected")
-        return real(self, rows)
+        return real(self, rows, is_abandoned)
 
     monkeypatch.setattr(ModelRunner, "run", failing_once)
     prompt = ids(tiny32, "Hello world")
@@ -285,7 +285,7 @@ async def test_out_of_memory_fails_the_step_and_the_engine_serves_on(engine, tin
     prompt = ids(tiny32, "Hello world, hello kvserve.")
     await run(engine, prompt, session="cached", max_tokens=4, ignore_eos=True)
 
-    def out_of_memory(self, rows):
+    def out_of_memory(self, rows, is_abandoned=None):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     monkeypatch.setattr(ModelRunner, "run", out_of_memory)

@@ -117,8 +117,11 @@ async def test_cancel_stops_within_one_step(engine, tiny):
     assert engine.counter.num_decode_tokens == num_decoded
 
 
-def hold_prefill_steps_at_layer_one(monkeypatch) -> tuple[threading.Event, threading.Event, list[list[int]]]:
-    """Each prefill step waits before its layer 1 until released; per such step, the layers it attended whole."""
+def hold_prefill_steps_at_layer_one(
+    monkeypatch, first: int = 1
+) -> tuple[threading.Event, threading.Event, list[list[int]]]:
+    """Prefill steps from the `first` on wait before their layer 1 until released; per prefill step, the layers it
+    attended whole."""
     real, entered, release, done = attention._paged, threading.Event(), threading.Event(), []
 
     def held(step, layer, *args):
@@ -126,7 +129,7 @@ def hold_prefill_steps_at_layer_one(monkeypatch) -> tuple[threading.Event, threa
             return real(step, layer, *args)
         if layer == 0:
             done.append([])
-        elif not release.is_set():
+        elif len(done) >= first and not release.is_set():
             entered.set()
             assert release.wait(DEADLINE_S), "the test never released the step"
         out = real(step, layer, *args)
@@ -162,14 +165,12 @@ async def test_a_retry_reuses_what_the_abandoned_first_request_computed(tiny, mo
     chunk it finished stays as cache, so the retry computes only the rest."""
     engine = make_engine(tiny, block_size=4, max_batch_tokens=32)  # alone, a chunk is 4 x 32 tokens
     try:
-        entered, release, done = hold_prefill_steps_at_layer_one(monkeypatch)
-        release.set()  # the first chunk runs whole
+        entered, release, done = hold_prefill_steps_at_layer_one(monkeypatch, first=2)  # the first chunk runs whole
         prompt = ids(tiny, "word " * 150)
         handle = engine.submit(request(prompt, session="retried", rid="first", max_tokens=4))
         await handle.__anext__()
-        await wait_until_async(lambda: len(done) == 1 and done[0] == [0, 1], what="the first chunk")
-        release.clear()
         assert await asyncio.to_thread(entered.wait, DEADLINE_S), "the second chunk did not start"
+        assert done == [[0, 1], [0]]  # the second chunk is held before its layer 1
         computed = engine.counter.num_prefill_tokens
         handle.cancel()
         release.set()
