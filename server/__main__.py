@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import os
 import signal
@@ -128,9 +130,32 @@ def keep_triton_cache(cache_dir: Path) -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(cache_dir).resolve() / "triton"))
 
 
+def hide_broken_triton() -> None:
+    """triton is optional (the GPU's attention kernels). One installed that does not import whole (triton, then
+    triton.language) breaks torch's compiler, which transformers imports with its models: every start, on any
+    device, `--compile` or not. Such a triton is hidden from this process (None in sys.modules: importing it raises
+    ImportError, which torch, transformers and the backends take for "not installed"), and one line says what is
+    off. Before anything imports it."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    try:
+        importlib.import_module("triton.language")
+    except Exception as exc:  # whatever a broken install raises while it is imported
+        for name in [name for name in sys.modules if name == "triton" or name.startswith("triton.")]:
+            del sys.modules[name]
+        sys.modules["triton"] = None  # type: ignore[assignment]  # the import system reads None as "absent"
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        logging.getLogger("kvserve").warning(
+            "triton is installed but does not import (%s): off, as if not installed (the Triton kernels; CUDA "
+            "attention by SDPA)",
+            why,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     command, settings = parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hide_broken_triton()
     if command == "prepare":
         return _prepare(settings)
     from server.engine.threads import confine_to_one_team
