@@ -19,7 +19,8 @@ from pydantic import ValidationError
 
 from server.settings import Settings
 
-if typing.TYPE_CHECKING:  # imported where it is used: it imports torch
+if typing.TYPE_CHECKING:  # imported where they are used: torch, fastapi
+    from server.http.auth import KeyRing
     from server.models.loader import ModelSpec
 
 ENV_PREFIX = "KVSERVE_"  # Settings' (pydantic-settings reads KVSERVE_<FIELD>)
@@ -88,14 +89,13 @@ def parse(argv: list[str]) -> tuple[str, Settings]:
 
 def refusals(exc: ValidationError) -> list[str]:
     """One line per setting refused: its flag and KVSERVE_ name, the value given, and what it may be."""
-    flags = {field: flag for flag, field in OPTIONS.items()}
     lines, seen = [], set()
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else ""
         if field in seen:  # a union's members each refuse it: one line says what all of them allow
             continue
         seen.add(field)
-        names = f"{flags[field]} ({ENV_PREFIX}{field.upper()})" if field in flags else f"{ENV_PREFIX}{field.upper()}"
+        names = setting_names(field)
         given = repr(error.get("input"))
         given = given if len(given) <= 80 else given[:77] + "..."
         allowed = allowed_values(field)
@@ -162,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
 
     confine_to_one_team()  # before torch is imported: one OpenMP team, the engine's (server/engine/threads.py)
     keep_triton_cache(settings.cache_dir)
-    specs = _specs(settings)
-    if specs is None:
+    keys, refused = _tried_settings(settings)
+    for line in refused:
+        print(line, file=sys.stderr)
+    specs = _specs(settings) if not refused else None
+    if specs is None:  # refused, or the models file (said by _specs)
         return 2
     import uvicorn
 
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     # installed. A graceful stop is a success: leave no-op handlers there so the process exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    app = create_app(settings, specs)
+    app = create_app(settings, specs, keys)
     limit = raise_descriptor_limit()
     guard = ConnectionGuard(settings.max_connections or default_max_connections(limit), settings.header_timeout_s)
     logging.getLogger("kvserve").info("at most %d open connections", guard.max_connections)
@@ -237,6 +240,52 @@ def _draining_server():
             super().handle_exit(sig, None)
 
     return Server
+
+
+def setting_names(field: str) -> str:
+    """How an operator sets a field: its flag and its KVSERVE_ variable (the variable alone where there is no
+    flag)."""
+    flags = {name: flag for flag, name in OPTIONS.items()}
+    return f"{flags[field]} ({ENV_PREFIX}{field.upper()})" if field in flags else f"{ENV_PREFIX}{field.upper()}"
+
+
+def _tried_settings(settings: Settings) -> tuple[KeyRing | None, list[str]]:
+    """The settings only trying them checks: the API keys (a file read) and the shared store (a URL Redis'
+    client takes, a Redis that never evicts records). The keys, and one line per setting refused."""
+    from server.http.auth import KeysRefused, load_keys
+
+    keys, lines = None, []
+    try:
+        keys = load_keys(settings.api_keys, settings.api_keys_file)
+    except KeysRefused as exc:
+        lines.append(f"kvserve: {' and '.join(setting_names(s) for s in exc.settings)}: {exc}")
+    return keys, lines + _shared_store_refusals(settings)
+
+
+def _shared_store_refusals(settings: Settings) -> list[str]:
+    if not settings.shared_url:  # one process: no Redis, not even its client
+        return []
+    import redis
+
+    from server.sessions.shared import EvictingStore, SharedRecords, refuse_evicting_store
+
+    lines = []
+    for field in ("shared_url", "shared_blocks_url"):
+        url = getattr(settings, field)
+        try:
+            redis.Redis.from_url(url) if url else None
+        except ValueError as exc:
+            lines.append(f"kvserve: {setting_names(field)}: {url!r} is not valid: {exc}")
+    if lines or not settings.shared_url:
+        return lines
+    records = SharedRecords(settings.shared_url)
+    try:
+        refuse_evicting_store(records)  # a Redis that does not answer is warned about: it may come up later
+    except EvictingStore as exc:
+        lines.append(f"kvserve: {setting_names('shared_url')}: {exc}")
+    finally:
+        records.close()
+    return lines
 
 
 def _specs(settings: Settings) -> list[ModelSpec] | None:

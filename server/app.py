@@ -66,10 +66,13 @@ def lifespan_of(settings: Settings, specs: list[ModelSpec] | None, keys: KeyRing
     return lifespan
 
 
-def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None = None) -> FastAPI:
-    """`specs` overrides what the settings name (tests pass a tiny local model)."""
+def create_app(
+    settings: Settings | None = None, specs: list[ModelSpec] | None = None, keys: KeyRing | None = None
+) -> FastAPI:
+    """`specs` overrides what the settings name (tests pass a tiny local model); `keys`: the settings' API keys,
+    loaded already (`kvserve serve` checks them with the other settings; else loaded here: KeysRefused)."""
     settings = settings or Settings()
-    keys = load_keys(settings.api_keys, settings.api_keys_file)
+    keys = keys if keys is not None else load_keys(settings.api_keys, settings.api_keys_file)
     app = FastAPI(
         title="kvserve",
         version=__version__,

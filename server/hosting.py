@@ -20,7 +20,7 @@ from server.models.loader import LoadedModel, ModelLoadError, ModelSpec, load_mo
 from server.sessions.errors import SharedStoreUnavailable
 from server.sessions.journal import Journal
 from server.sessions.leases import RedisLeases
-from server.sessions.shared import SharedRecords, refuse_evicting_store
+from server.sessions.shared import SharedRecords
 from server.sessions.shared_state import SharedStoreState
 from server.sessions.store import SessionStore
 from server.settings import Settings, default_host_kv_budget, default_kv_budget
@@ -57,8 +57,7 @@ class ModelHost:
         if settings.shared_url:  # replicas: turns leased and records committed in Redis
             shared_state = SharedStoreState(settings.shared_resolve_s)  # one view of Redis: leases and records
             leases = RedisLeases(settings.shared_url, settings.shared_lease_s, state=shared_state)
-            shared = SharedRecords(settings.shared_url, state=shared_state)
-            refuse_evicting_store(shared)
+            shared = SharedRecords(settings.shared_url, state=shared_state)  # an evicting one: refused by main
             self.redis_blocks = RedisBlocks(settings.shared_blocks_url or settings.shared_url)
             self.tiers.shared = blocks = BlockStore(self.redis_blocks, "shared", MAX_SHARED_JOBS, KNOWN_LIMIT)
             redis_blocks = self.redis_blocks
