@@ -135,3 +135,15 @@ def test_a_shared_store_url_redis_cannot_take_is_one_line_and_exit_2():
         "kvserve: --shared-url (KVSERVE_SHARED_URL): 'http://redis:6379' is not valid: Redis URL must specify one of "
         "the following schemes (redis://, rediss://, unix://)"
     ]
+
+
+def test_the_children_of_this_process_are_found(tmp_path):
+    """What `kvserve serve` asks to stop when it exits with a phase still running (a kernel build's ninja)."""
+    from server.__main__ import _children
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert child.pid in _children()
+    finally:
+        child.communicate(b"")
+    assert child.pid not in _children()
