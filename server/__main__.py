@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import importlib.util
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 import types
 import typing
@@ -16,8 +18,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from server.settings import Settings
+from server.startup import Startup, StartupStopped
 
-if typing.TYPE_CHECKING:  # imported where it is used: it imports torch
+if typing.TYPE_CHECKING:  # imported where they are used: torch, fastapi
+    from server.http.auth import KeyRing
     from server.models.loader import ModelSpec
 
 ENV_PREFIX = "KVSERVE_"  # Settings' (pydantic-settings reads KVSERVE_<FIELD>)
@@ -86,14 +90,13 @@ def parse(argv: list[str]) -> tuple[str, Settings]:
 
 def refusals(exc: ValidationError) -> list[str]:
     """One line per setting refused: its flag and KVSERVE_ name, the value given, and what it may be."""
-    flags = {field: flag for flag, field in OPTIONS.items()}
     lines, seen = [], set()
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else ""
         if field in seen:  # a union's members each refuse it: one line says what all of them allow
             continue
         seen.add(field)
-        names = f"{flags[field]} ({ENV_PREFIX}{field.upper()})" if field in flags else f"{ENV_PREFIX}{field.upper()}"
+        names = setting_names(field)
         given = repr(error.get("input"))
         given = given if len(given) <= 80 else given[:77] + "..."
         allowed = allowed_values(field)
@@ -128,31 +131,90 @@ def keep_triton_cache(cache_dir: Path) -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(cache_dir).resolve() / "triton"))
 
 
+def hide_broken_triton() -> None:
+    """triton is optional (the GPU's attention kernels). One installed that does not import whole (triton, then
+    triton.language) breaks torch's compiler, which transformers imports with its models: every start, on any
+    device, `--compile` or not. Such a triton is hidden from this process (None in sys.modules: importing it raises
+    ImportError, which torch, transformers and the backends take for "not installed"), and one line says what is
+    off. Before anything imports it."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    try:
+        importlib.import_module("triton.language")
+    except Exception as exc:  # whatever a broken install raises while it is imported
+        for name in [name for name in sys.modules if name == "triton" or name.startswith("triton.")]:
+            del sys.modules[name]
+        sys.modules["triton"] = None  # type: ignore[assignment]  # the import system reads None as "absent"
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        logging.getLogger("kvserve").warning(
+            "triton is installed but does not import (%s): off, as if not installed (the Triton kernels; CUDA "
+            "attention by SDPA)",
+            why,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     command, settings = parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hide_broken_triton()
     if command == "prepare":
         return _prepare(settings)
+    try:
+        startup = Startup.from_environment()
+    except ValueError as exc:  # the test hook's variable, mistyped
+        print(f"kvserve: {exc}", file=sys.stderr)
+        return 2
+    with StopSignals(startup) as signals:
+        return _serve(settings, startup, signals)
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, from the settings' check on (uvicorn takes them over while it serves): each asks
+    start-up to stop (server/startup.py) and is remembered. None ends the process by the default action half-way
+    through, and none is lost: one that comes just before uvicorn takes over is handed to it."""
+
+    def __init__(self, startup: Startup) -> None:
+        self.startup = startup
+        self.received: list[int] = []
+        self._before: dict[int, typing.Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._before[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, sig: int, frame: types.FrameType | None) -> None:
+        self.received.append(sig)
+        self.startup.stop()
+
+
+def _serve(settings: Settings, startup: Startup, signals: StopSignals) -> int:
+    """`kvserve serve`: 0 once stopped by a signal (in any phase), 1 when no model could be loaded, 2 for a setting
+    it cannot take (docs/deploy.md)."""
     from server.engine.threads import confine_to_one_team
 
     confine_to_one_team()  # before torch is imported: one OpenMP team, the engine's (server/engine/threads.py)
     keep_triton_cache(settings.cache_dir)
-    specs = _specs(settings)
-    if specs is None:
+    keys, refused = _tried_settings(settings)
+    for line in refused:
+        print(line, file=sys.stderr)
+    specs = _specs(settings) if not refused else None
+    if specs is None:  # refused, or the models file (said by _specs)
         return 2
     import uvicorn
 
     from server.app import create_app
     from server.http.connections import ConnectionGuard, default_max_connections, raise_descriptor_limit
 
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to the handler it found
-    # installed. A graceful stop is a success: leave no-op handlers there so the process exits 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    app = create_app(settings, specs)
+    log = logging.getLogger("kvserve")
+    app = create_app(settings, specs, keys, startup)
     limit = raise_descriptor_limit()
     guard = ConnectionGuard(settings.max_connections or default_max_connections(limit), settings.header_timeout_s)
-    logging.getLogger("kvserve").info("at most %d open connections", guard.max_connections)
+    log.info("at most %d open connections", guard.max_connections)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -163,55 +225,153 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,  # the gate writes one line per request, with its ids
         http=guard.protocol(),
     )
-    server = _draining_server()(config, app, settings.shutdown_grace_s)
+    server = _draining_server()(config, app, settings.shutdown_grace_s, signals)
+    try:
+        startup.enter("app")
+    except StartupStopped:  # a signal since the settings were read: nothing started yet, nothing to save
+        log.info("stopped before serving")
+        return 0
     server.run()
+    code = 0
     if server.failures:  # no model loaded: say why and exit non-zero, so an orchestrator restarts the process
         for reason in server.failures.values():  # each names its model, its source and the cause, on one line
             print(f"kvserve: {reason}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    host = getattr(app.state, "host", None)
+    running = host.running_threads if host is not None else []
+    if running:  # a phase that did not stop within the grace period (a compile, a kernel build, a download)
+        log.warning("%s still running: exiting without waiting for it", ", ".join(running))
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> typing.NoReturn:
+    """Exit while a thread still computes: without the interpreter's finalization, which would end that thread
+    inside torch by pthread_exit and abort the process (exit 134). What this process started (a kernel build's
+    ninja and compilers, inductor's workers) is asked to stop first; what a stopped phase leaves (a conversion's
+    partial directory, a build's lock file) the next start removes."""
+    for pid in _children():
+        with contextlib.suppress(OSError):  # ended meanwhile
+            os.kill(pid, signal.SIGTERM)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _children() -> list[int]:
+    """The processes whose parent is this one (Linux: /proc; none found elsewhere)."""
+    me, found = os.getpid(), []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == me:  # the name, in parentheses, may hold spaces
+                found.append(int(entry.name))
+    return found
 
 
 def _draining_server():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """First SIGTERM/SIGINT: drain (503 to new requests, running ones finish within the grace period),
-        then stop; the app's shutdown writes the sessions' K/V. A second signal stops at once."""
+        """First SIGTERM/SIGINT: drain (503 to new requests, running ones finish within the grace period; models
+        still loading stop at their next safe point), then stop; the app's shutdown writes the sessions' K/V.
+        A second signal stops at once, without waiting for running requests; the app's shutdown still runs.
+        The signal handlers only set flags (they run between two bytecodes of the main thread, which may hold
+        any lock then): the drain is watched from the event loop's ticks."""
 
-        def __init__(self, config, app, grace_s: float) -> None:
+        def __init__(self, config, app, grace_s: float, signals: StopSignals) -> None:
             super().__init__(config)
-            self._app, self._grace_s, self._is_draining = app, grace_s, False
+            self._app, self._grace_s, self._signals = app, grace_s, signals
+            self._drain_until: float | None = None  # time.monotonic() when the drain ends the requests left
             self.failures: dict[str, str] = {}  # when every model failed to load: each one's reason
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                if self._signals.received:  # came after main's last look, before uvicorn's handlers: not lost
+                    self.handle_exit(self._signals.received[-1], None)
+                yield
 
         async def on_tick(self, counter: int) -> bool:
             """Also stop (the app's shutdown runs as after a signal) once every model has failed to load: a server
-            with nothing to serve would answer /ready 503 and /health 200 for ever, and never be restarted."""
+            with nothing to serve would answer /ready 503 and /health 200 for ever, and never be restarted. And
+            once a drain is over: no request left, or the grace period gone."""
             host = getattr(self._app.state, "host", None)
             if host is not None and host.has_failed and not self.should_exit:
                 self.failures = host.failures
                 logging.getLogger("kvserve").error("no model could be loaded: stopping")
                 self.should_exit = True
+            if host is not None and self._drain_until is not None and not self.should_exit:
+                if host.num_active and time.monotonic() >= self._drain_until:
+                    logging.getLogger("kvserve").warning("grace period over: ending %d requests", host.num_active)
+                self.should_exit = not host.num_active or time.monotonic() >= self._drain_until
             return await super().on_tick(counter)
 
         def handle_exit(self, sig, frame) -> None:
+            self._signals.startup.stop()  # models still loading stop loading
             host = getattr(self._app.state, "host", None)
-            if self._is_draining or host is None:
-                super().handle_exit(sig, frame)
+            if host is not None and self._drain_until is None:
+                self._drain_until = time.monotonic() + self._grace_s
+                host.begin_drain()
                 return
-            self._is_draining = True
-            host.begin_drain()
-            threading.Thread(target=self._exit_when_drained, args=(host, sig), daemon=True).start()
-
-        def _exit_when_drained(self, host, sig) -> None:
-            deadline = time.monotonic() + self._grace_s
-            while host.num_active and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if host.num_active:
-                logging.getLogger("kvserve").warning("grace period over: ending %d requests", host.num_active)
-            super().handle_exit(sig, None)
+            # Before the app's state exists, or a second signal. Never uvicorn's own handling, whose force_exit
+            # (a second Ctrl-C) skips the app's shutdown: the engines' threads would run on, inside torch, into
+            # the interpreter's exit, and no K/V would be saved.
+            self.should_exit = True
 
     return Server
+
+
+def setting_names(field: str) -> str:
+    """How an operator sets a field: its flag and its KVSERVE_ variable (the variable alone where there is no
+    flag)."""
+    flags = {name: flag for flag, name in OPTIONS.items()}
+    return f"{flags[field]} ({ENV_PREFIX}{field.upper()})" if field in flags else f"{ENV_PREFIX}{field.upper()}"
+
+
+def _tried_settings(settings: Settings) -> tuple[KeyRing | None, list[str]]:
+    """The settings only trying them checks: the API keys (a file read) and the shared store (a URL Redis'
+    client takes, a Redis that never evicts records). The keys, and one line per setting refused."""
+    from server.http.auth import KeysRefused, load_keys
+
+    keys, lines = None, []
+    try:
+        keys = load_keys(settings.api_keys, settings.api_keys_file)
+    except KeysRefused as exc:
+        lines.append(f"kvserve: {' and '.join(setting_names(s) for s in exc.settings)}: {exc}")
+    return keys, lines + _shared_store_refusals(settings)
+
+
+def _shared_store_refusals(settings: Settings) -> list[str]:
+    if not settings.shared_url:  # one process: no Redis, not even its client
+        return []
+    import redis
+
+    from server.sessions.shared import EvictingStore, SharedRecords, refuse_evicting_store
+
+    lines = []
+    for field in ("shared_url", "shared_blocks_url"):
+        url = getattr(settings, field)
+        try:
+            redis.Redis.from_url(url) if url else None
+        except ValueError as exc:
+            lines.append(f"kvserve: {setting_names(field)}: {url!r} is not valid: {exc}")
+    if lines or not settings.shared_url:
+        return lines
+    records = SharedRecords(settings.shared_url)
+    try:
+        refuse_evicting_store(records)  # a Redis that does not answer is warned about: it may come up later
+    except EvictingStore as exc:
+        lines.append(f"kvserve: {setting_names('shared_url')}: {exc}")
+    finally:
+        records.close()
+    return lines
 
 
 def _specs(settings: Settings) -> list[ModelSpec] | None:

@@ -35,18 +35,19 @@ from server.serving.responses import Responses
 from server.serving.sessions import Sessions
 from server.serving.tokens import Tokens
 from server.settings import Settings
+from server.startup import Startup
 
 log = logging.getLogger("kvserve")
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
-def lifespan_of(settings: Settings, specs: list[ModelSpec] | None, keys: KeyRing) -> Lifespan:
+def lifespan_of(settings: Settings, specs: list[ModelSpec] | None, keys: KeyRing, startup: Startup | None) -> Lifespan:
     """Everything the app holds, built at start-up in app.state and closed at shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         throttle_accept_errors(asyncio.get_running_loop())
-        host = ModelHost(settings, specs)
+        host = ModelHost(settings, specs, startup)
         app.state.host = host
         app.state.metrics = metrics = Metrics(host, GENERATION_PATHS)
         announce(keys, settings.host)
@@ -64,15 +65,22 @@ def lifespan_of(settings: Settings, specs: list[ModelSpec] | None, keys: KeyRing
     return lifespan
 
 
-def create_app(settings: Settings | None = None, specs: list[ModelSpec] | None = None) -> FastAPI:
-    """`specs` overrides what the settings name (tests pass a tiny local model)."""
+def create_app(
+    settings: Settings | None = None,
+    specs: list[ModelSpec] | None = None,
+    keys: KeyRing | None = None,
+    startup: Startup | None = None,
+) -> FastAPI:
+    """`specs` overrides what the settings name (tests pass a tiny local model); `keys`: the settings' API keys,
+    loaded already (`kvserve serve` checks them with the other settings; else loaded here: KeysRefused);
+    `startup`: the start-up the process's signals stop (server/startup.py)."""
     settings = settings or Settings()
-    keys = load_keys(settings.api_keys, settings.api_keys_file)
+    keys = keys if keys is not None else load_keys(settings.api_keys, settings.api_keys_file)
     app = FastAPI(
         title="kvserve",
         version=__version__,
         description="OpenAI-compatible text generation that continues sessions from their cached K/V.",
-        lifespan=lifespan_of(settings, specs, keys),
+        lifespan=lifespan_of(settings, specs, keys, startup),
         docs_url=None,  # ours, served from a package: openapi.install
         redoc_url=None,
     )

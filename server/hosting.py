@@ -1,11 +1,17 @@
 """The served models: loaded in the background (so /ready can say 503 meanwhile), one engine each,
-over one session store and one set of K/V tiers."""
+over one session store and one set of K/V tiers.
+
+Shutting down while models load (server/startup.py): the loading thread is asked to stop at its next safe point
+and `close` waits for it, up to the grace period counted from the request; a thread still running then is
+reported by `running_threads`, and the process exits without the interpreter's finalization (server/__main__.py).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +26,11 @@ from server.models.loader import LoadedModel, ModelLoadError, ModelSpec, load_mo
 from server.sessions.errors import SharedStoreUnavailable
 from server.sessions.journal import Journal
 from server.sessions.leases import RedisLeases
-from server.sessions.shared import SharedRecords, refuse_evicting_store
+from server.sessions.shared import SharedRecords
 from server.sessions.shared_state import SharedStoreState
 from server.sessions.store import SessionStore
 from server.settings import Settings, default_host_kv_budget, default_kv_budget
+from server.startup import Startup, StartupStopped
 
 log = logging.getLogger("kvserve")
 MAX_SHARED_JOBS = 256  # turns' blocks waiting for Redis; past this a turn is not shared (only colder elsewhere)
@@ -32,13 +39,17 @@ MAX_SHARED_JOBS = 256  # turns' blocks waiting for Redis; past this a turn is no
 @dataclass(slots=True)
 class ModelState:
     spec: ModelSpec
-    status: str = "pending"  # pending | loading | ready | failed
+    status: str = "pending"  # pending | loading | ready | failed | stopped (start-up stopped before it was ready)
     detail: str = ""
 
 
 class ModelHost:
-    def __init__(self, settings: Settings, specs: list[ModelSpec] | None = None) -> None:
+    def __init__(
+        self, settings: Settings, specs: list[ModelSpec] | None = None, startup: Startup | None = None
+    ) -> None:
+        """`startup`: the start-up's phases and its stop (`kvserve serve` passes the one its signals stop)."""
         self.settings = settings
+        self.startup = startup or Startup()
         specs = specs if specs is not None else resolve_specs(settings)
         self.states = {s.id: ModelState(s) for s in specs}
         self.engines: dict[str, Engine] = {}
@@ -57,8 +68,7 @@ class ModelHost:
         if settings.shared_url:  # replicas: turns leased and records committed in Redis
             shared_state = SharedStoreState(settings.shared_resolve_s)  # one view of Redis: leases and records
             leases = RedisLeases(settings.shared_url, settings.shared_lease_s, state=shared_state)
-            shared = SharedRecords(settings.shared_url, state=shared_state)
-            refuse_evicting_store(shared)
+            shared = SharedRecords(settings.shared_url, state=shared_state)  # an evicting one: refused by main
             self.redis_blocks = RedisBlocks(settings.shared_blocks_url or settings.shared_url)
             self.tiers.shared = blocks = BlockStore(self.redis_blocks, "shared", MAX_SHARED_JOBS, KNOWN_LIMIT)
             redis_blocks = self.redis_blocks
@@ -81,7 +91,6 @@ class ModelHost:
         if state:
             log.info("state in %s: %d sessions and %d K/V snapshots found", state, num_sessions, num_snapshots)
         self._thread = threading.Thread(target=self._load_all, name="model-loader", daemon=True)
-        self._is_closed = False
         self.is_draining = False
 
     def start(self) -> None:
@@ -119,16 +128,25 @@ class ModelHost:
     def num_active(self) -> int:
         return sum(engine.num_active for engine in list(self.engines.values()))
 
+    @property
+    def running_threads(self) -> list[str]:
+        """The threads of this host that compute with torch and still run (after `close`: the ones that did not
+        stop in time, which the interpreter's exit must not meet inside torch)."""
+        running = [self._thread.name] if self._thread.is_alive() else []
+        return running + [f"engine-{model_id}" for model_id, engine in list(self.engines.items()) if engine.is_running]
+
     def begin_drain(self) -> None:
-        """SIGTERM: new requests answer 503, the ones running may finish."""
+        """SIGTERM: new requests answer 503, the ones running may finish; models still loading stop loading."""
         self.is_draining = True
+        self.startup.stop()
         log.info("draining: %d requests still running", self.num_active)
 
     def close(self) -> None:
-        """Stop the engines; write every live session record again (a state directory removed meanwhile comes
-        back), then every session's K/V; say what could not be written."""
-        self._is_closed = True
+        """Stop loading (waiting for the loading thread's next safe point, up to the grace period) and the engines;
+        write every live session record again (a state directory removed meanwhile comes back), then every
+        session's K/V; say what could not be written."""
         self.is_draining = True
+        self._stop_loading()
         engines = list(self.engines.values())
         for engine in engines:
             engine.close()  # all at once: each finishes its current step in parallel
@@ -163,14 +181,27 @@ class ModelHost:
                 failed,
             )
 
+    def _stop_loading(self) -> None:
+        """Ask the loading thread to stop and wait for it: at most the grace period, counted from the first request
+        to stop (a signal's drain has counted already)."""
+        self.startup.stop()
+        if self._thread.ident is None or not self._thread.is_alive():  # never started, or done
+            return
+        assert self.startup.stop_time is not None
+        left = self.startup.stop_time + self.settings.shutdown_grace_s - time.monotonic()
+        log.info("waiting up to %.0f s for start-up to stop (phase %s)", max(0.0, left), self.startup.phase)
+        self._thread.join(max(0.0, left))
+        if self._thread.is_alive():
+            log.warning("start-up did not stop within the grace period (phase %s)", self.startup.phase)
+
     def _load_all(self) -> None:
         """Load every model in turn. Whatever goes wrong with one (its files, its engine) marks it failed with the
-        reason and the next one loads: no exception leaves a model "loading" for ever."""
+        reason and the next one loads: no exception leaves a model "loading" for ever. A stop asked meanwhile
+        (StartupStopped) marks the models not loaded yet "stopped" and ends the thread."""
         try:
             use_compute_threads()  # loading computes (digests, dtype timing, packing); the team ends with this thread
             for state in self.states.values():
-                if self._is_closed:
-                    return
+                self.startup.check()
                 state.status = "loading"
                 log.info("loading model %s from %s", state.spec.id, state.spec.source)
                 try:
@@ -183,6 +214,12 @@ class ModelHost:
                     reason = f"model {state.spec.id!r} (source {state.spec.source}) failed to start: {cause}"
                     state.status, state.detail = "failed", one_line(reason)
                     log.exception("%s", reason)
+        except StartupStopped:
+            phase = self.startup.phase
+            for state in self.states.values():
+                if state.status in ("pending", "loading"):
+                    state.status, state.detail = "stopped", f"not loaded: start-up stopped (phase {phase})"
+            log.info("start-up stopped in phase %s: shutting down", phase)
         except BaseException as exc:  # outside one model's load (the threads' setup, an exit): the rest never load
             cause = f"{type(exc).__name__}: {exc}"
             for state in self.states.values():
@@ -192,11 +229,12 @@ class ModelHost:
             raise
 
     def _load(self, state: ModelState) -> None:
-        loaded = load_model(state.spec, self.settings.cache_dir)
+        loaded = load_model(state.spec, self.settings.cache_dir, self.startup)
         loaded.guards_control_text = not self.settings.control_tokens_in_messages
         if self.settings.compile and loaded.device.type == "cpu":
             state.detail = "compiling the model (torch.compile; minutes the first time, cached after)"
-        engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded))
+        engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded), self.startup)
+        self.startup.check()  # no engine thread starts once a stop was asked (close lists the engines after this)
         engine.start()
         try:
             if self.fingerprints is not None:

@@ -94,3 +94,56 @@ def test_triton_s_kernels_are_kept_in_the_cache_dir_unless_said_otherwise(tmp_pa
     monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
     keep_triton_cache(tmp_path / "cache")
     assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
+
+
+def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`kvserve serve ARGS` as an operator starts it, expected to refuse to start."""
+    return subprocess.run(
+        [sys.executable, "-m", "server", "serve", "--port", "0", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_an_api_keys_file_that_is_missing_or_holds_no_key_is_one_line_and_exit_2(tmp_path):
+    """Not a traceback and exit 1: keys configured but unusable are a bad setting like any other (and the server
+    never starts open)."""
+    keys = tmp_path / "keys.txt"
+    names = "kvserve: --api-keys-file (KVSERVE_API_KEYS_FILE)"
+    done = serve("--api-keys-file", str(keys))
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.splitlines() == [f"{names}: {str(keys)!r} cannot be read: No such file or directory"]
+    keys.write_text("# no keys yet\n")
+    done = serve("--api-keys-file", str(keys))
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.splitlines() == [f"{names}: API keys are configured but none was found in {str(keys)!r}"]
+    done = serve(env={"KVSERVE_API_KEYS": "short:alice"})
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.splitlines() == [
+        "kvserve: KVSERVE_API_KEYS: API keys are 8-512 characters of [A-Za-z0-9._~+/=-]"
+    ]
+
+
+def test_a_shared_store_url_redis_cannot_take_is_one_line_and_exit_2():
+    done = serve("--shared-url", "http://redis:6379")
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.splitlines() == [
+        "kvserve: --shared-url (KVSERVE_SHARED_URL): 'http://redis:6379' is not valid: Redis URL must specify one of "
+        "the following schemes (redis://, rediss://, unix://)"
+    ]
+
+
+def test_the_children_of_this_process_are_found(tmp_path):
+    """What `kvserve serve` asks to stop when it exits with a phase still running (a kernel build's ninja)."""
+    from server.__main__ import _children
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert child.pid in _children()
+    finally:
+        child.communicate(b"")
+    assert child.pid not in _children()

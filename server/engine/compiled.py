@@ -37,6 +37,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from server.engine.threads import compute_threads
 from server.kv.attention import current_step
+from server.startup import Startup
 
 log = logging.getLogger("kvserve.engine")
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -73,8 +74,9 @@ class CompiledModel:
             got = self._logits(hidden, torch.arange(3, device=self.device))
         return bool(torch.equal(got, expected))
 
-    def compile(self) -> None:
-        """Compile both graphs now (warm-up forwards outside any step); logs the time and the cache's share."""
+    def compile(self, startup: Startup | None = None) -> None:
+        """Compile both graphs now (warm-up forwards outside any step); logs the time and the cache's share.
+        `startup` is asked before each graph whether to stop (StartupStopped)."""
         os.environ[CACHE_ENV] = _cache_dir(self.cache_dir)
         hits_before = counters["aot_autograd"]["autograd_cache_hit"]
         start = time.perf_counter()
@@ -84,6 +86,8 @@ class CompiledModel:
         torch.set_num_threads(self.num_threads)
         try:
             for n in WARM_UP_TOKENS:  # inputs made as the runner makes them: outside inference mode, not views
+                if startup is not None:
+                    startup.check()
                 ids = torch.tensor([[1] * n], dtype=torch.long, device=self.device)
                 positions = torch.tensor([list(range(n))], dtype=torch.long, device=self.device)
                 with STANCE, torch.compiler.set_stance("default"), torch.inference_mode():

@@ -11,20 +11,25 @@ run eagerly, as before.
 Everything but the capture itself is plain tensor work: `StaticDecode` runs eagerly on a CPU (the Triton
 kernels in triton's interpreter) so its filling and padding are tested there against the eager path; on
 CUDA `DecodeGraphs.capture` records each bucket's forward into a graph after one eager warm-up (Triton
-compiles its kernels on first use, which a capture must not do).
+compiles its kernels on first use, which a capture must not do). What the capture asks of CUDA (a side stream,
+a graph recorded, a synchronize) is a `GraphRecorder`: the capture's order and its stops between buckets (a
+start-up asked to stop, server/startup.py) are tested on a CPU with a stand-in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from server.engine.scheduler import Row
 from server.kv.attention import DecodeRows, StepMeta, stepping
 from server.kv.backends import TritonBackend, TritonLaunch
+from server.startup import Startup
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows a captured step holds
 # Keys a captured step's rows may have (longer rows run eagerly): the split workspace and the tables are sized for
@@ -117,6 +122,49 @@ class StaticDecode:
         self.logits = out.logits[0]
 
 
+class GraphRecorder(Protocol):
+    """What a capture needs of the device."""
+
+    def side_stream(self) -> contextlib.AbstractContextManager[None]:
+        """Work inside runs on a side stream (warm-ups: a capture may not follow them on the default stream)."""
+        ...
+
+    def record(self, forward: Callable[[], None]) -> Any:
+        """`forward` recorded into a graph (into the one memory pool every graph of this capture shares)."""
+        ...
+
+    def synchronize(self) -> None: ...
+
+
+class CudaGraphRecorder:
+    """CUDA's: on the model's device, whichever device the loading thread is on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool: Any = None
+
+    @contextlib.contextmanager
+    def side_stream(self) -> Iterator[None]:
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                yield
+            torch.cuda.current_stream().wait_stream(side)
+
+    def record(self, forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        with torch.cuda.device(self.device):
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # other engines may load
+                forward()
+            return graph
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
 class DecodeGraphs:
     """The runner's captured decode steps: `run` serves a step of decode rows from the bucket that holds it."""
 
@@ -127,23 +175,21 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.stats = GraphStats()
 
-    def capture(self) -> None:
-        """Each bucket's forward recorded into a CUDA graph (largest first, all in one memory pool), after a warm-up
-        that compiles the kernels. The padding-only warm-up writes nothing to the pool."""
+    def capture(self, recorder: GraphRecorder, startup: Startup | None = None) -> None:
+        """Each bucket's forward recorded into a graph (largest first, all in one memory pool), after a warm-up
+        that compiles the kernels. The padding-only warm-up writes nothing to the pool. `startup` is asked between
+        buckets, never during one's capture, whether to stop (StartupStopped)."""
+        startup = startup or Startup()
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for static in reversed(self.statics):
+        largest_first = list(reversed(self.statics))
+        with recorder.side_stream():
+            for static in largest_first:
+                startup.check()
                 static.forward()  # the warm-up: Triton compiles here, never under capture
-        torch.cuda.current_stream().wait_stream(side)
-        for static in reversed(self.statics):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other engines may load
-                static.forward()
-            self.graphs[static.size] = graph
-        torch.cuda.synchronize()
+        for static in largest_first:
+            startup.check()
+            self.graphs[static.size] = recorder.record(static.forward)
+        recorder.synchronize()
         self.stats.capture_s = time.perf_counter() - start
 
     def run(self, rows: list[Row]) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ from server.models.loader import LoadedModel
 from server.sessions.index import Reach
 from server.sessions.record import Session, SessionKey
 from server.sessions.store import SessionStore
+from server.startup import Startup
 
 log = logging.getLogger("kvserve.engine")
 QUERY_TIMEOUT_S = 30.0
@@ -37,7 +38,15 @@ T = TypeVar("T")
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, store: SessionStore, tiers: TierStore, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        store: SessionStore,
+        tiers: TierStore,
+        config: EngineConfig,
+        startup: Startup | None = None,
+    ) -> None:
+        """`startup`: what may ask the engine's construction to stop between its phases (StartupStopped)."""
         self.loaded, self.model_id, self.store, self.config = loaded, loaded.spec.id, store, config
         kv_dtype = stored_dtype(config.kv_dtype, loaded.dtype, loaded.device)
         self.runner = ModelRunner(
@@ -49,6 +58,7 @@ class Engine:
             config.deterministic,
             config.attention,
             config.max_batch_tokens if config.cuda_graphs else 0,
+            startup,
         )
         self.fingerprint = self.runner.fingerprint
         self.token_bytes = self.runner.layout.bytes_per_token
@@ -103,6 +113,11 @@ class Engine:
             "shared_kv_layout": self.offloader.layouts["shared"].describe,
             "block_size": str(self.config.block_size),
         }
+
+    @property
+    def is_running(self) -> bool:
+        """Its thread runs: started, and not stopped yet."""
+        return self._thread.is_alive()
 
     @property
     def stats(self) -> EngineStats:

@@ -22,7 +22,14 @@ from pathlib import Path
 import torch
 
 from server.engine.compiled import WARM_UP_TOKENS, CompiledModel
-from server.engine.decode_graphs import GRAPH_MAX_KEYS, DecodeGraphs, StaticDecode, buckets_for
+from server.engine.decode_graphs import (
+    GRAPH_MAX_KEYS,
+    CudaGraphRecorder,
+    DecodeGraphs,
+    GraphRecorder,
+    StaticDecode,
+    buckets_for,
+)
 from server.engine.scheduler import Row
 from server.kv import kernels, offload
 from server.kv.attention import StepMeta, attention_inputs, install, stepping
@@ -48,6 +55,7 @@ from server.kv.snapshot import Snapshot
 from server.models.digest import ModelDigests
 from server.models.loader import LoadedModel
 from server.models.packed_linear import batch_invariance, decode_products, linear_invariance, pad_rows
+from server.startup import Startup
 
 log = logging.getLogger("kvserve.engine")
 
@@ -72,11 +80,14 @@ class ModelRunner:
         deterministic: bool = False,
         attention: str = "auto",
         graph_rows: int = 0,
+        startup: Startup | None = None,
     ) -> None:
         """`kv_dtype`: the quantized format the pool stores K/V in (None: the compute dtype); `deterministic`: make
         a token's K/V and logits independent of the step it is computed in (`_deterministic`); `attention`: the
         backend (auto: `choose_backend`; triton on a CPU only under TRITON_INTERPRET=1, for tests); `graph_rows`:
-        capture decode steps of up to this many rows as CUDA graphs (CUDA with the Triton backend; 0: none)."""
+        capture decode steps of up to this many rows as CUDA graphs (CUDA with the Triton backend; 0: none);
+        `startup`: what may ask it to stop between its phases (kernels, compile, capture: StartupStopped)."""
+        startup = startup or Startup()
         self.model = loaded.model
         self.device = loaded.device
         self.layout = KVLayout.of(loaded.model.config, loaded.dtype, kv_dtype)
@@ -85,6 +96,7 @@ class ModelRunner:
         self.digests = loaded.digests or ModelDigests.of_loaded(loaded.model, loaded.tokenizer)
         self.fingerprint = self.layout.fingerprint(self.digests.text)
         self.counter = ForwardCounter()
+        startup.enter("kernels")  # the CPU kernels built (once per machine) or loaded; the Triton kernels' self-test
         has_kernels = loaded.device.type == "cpu" and kernels.paged_decode_available()
         facts = BackendFacts(
             device=loaded.device.type,
@@ -112,6 +124,7 @@ class ModelRunner:
         self.facts = facts
         self.backend = self._backend(loaded, name)
         log.info("model %s: attention by the %s backend: %s", loaded.spec.id, self.backend.name, self.backend.detail)
+        startup.check()
         if self.deterministic:
             self.deterministic_detail = f"on: attention by the {self.backend.name} backend, {self.deterministic_detail}"
             log.info("model %s: deterministic mode %s", loaded.spec.id, self.deterministic_detail)
@@ -125,21 +138,24 @@ class ModelRunner:
             )
             log.info("model %s: not compiled: inductor's kernels are not batch-invariant", loaded.spec.id)
         elif compile_dir is not None:
-            self.compiled, self.compile_detail = _compiled(loaded, compile_dir)
+            self.compiled, self.compile_detail = _compiled(loaded, compile_dir, startup)
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=loaded.device)  # steps read no mask
         self.graphs: DecodeGraphs | None = None
         self.graphs_detail = "not asked (cuda_graphs false)" if not graph_rows else "CUDA only, with the Triton backend"
         if graph_rows and loaded.device.type == "cuda" and isinstance(self.backend, TritonBackend):
-            self._capture(loaded, graph_rows)
+            self._capture(loaded, graph_rows, startup)
 
-    def _capture(self, loaded: LoadedModel, max_rows: int) -> None:
+    def _capture(
+        self, loaded: LoadedModel, max_rows: int, startup: Startup, recorder: GraphRecorder | None = None
+    ) -> None:
         """Decode steps of each bucket up to `max_rows` rows captured as CUDA graphs (server/engine/decode_graphs.py);
-        a failed capture leaves every step eager, with the reason logged and said in GET /v1/models/{id}."""
+        a failed capture leaves every step eager, with the reason logged and said in GET /v1/models/{id}. A stop
+        asked meanwhile raises StartupStopped between two buckets (`recorder`: CUDA's, or a test's stand-in)."""
         assert isinstance(self.backend, TritonBackend)
+        startup.enter("capture")
         self.graphs = static_decode_graphs(self, loaded, buckets_for(max_rows))
         try:
-            with torch.cuda.device(loaded.device):  # the model's device, whichever the loading thread is on
-                self.graphs.capture()
+            self.graphs.capture(recorder or CudaGraphRecorder(loaded.device), startup)
         except Exception as exc:
             log.exception(
                 "model %s: capturing decode steps as CUDA graphs failed; every step runs eager", loaded.spec.id
@@ -333,18 +349,19 @@ def _forced(name: str, facts: BackendFacts) -> str:
     return name
 
 
-def _compiled(loaded: LoadedModel, cache_dir: str) -> tuple[CompiledModel | None, str]:
+def _compiled(loaded: LoadedModel, cache_dir: str, startup: Startup) -> tuple[CompiledModel | None, str]:
     """The model compiled (both graphs, now), or None where it runs eager (with the reason logged); and what it
     runs, in words."""
     if loaded.device.type != "cpu":
         log.warning("model %s: not compiled: compiling is built for the CPU only (%s)", loaded.spec.id, loaded.device)
         return None, f"asked, but runs eager: compiling is built for the CPU only, not {loaded.device.type}"
+    startup.enter("compile")
     compiled = CompiledModel(loaded.model, Path(cache_dir), loaded.spec.id)
     if not compiled.head_matches():
         log.warning("model %s: not compiled: its LM head does more than a linear layer and a softcap", loaded.spec.id)
         return None, "asked, but runs eager: its LM head does more than a linear layer and a softcap"
     try:
-        compiled.compile()
+        compiled.compile(startup)
     except Exception as exc:  # a graph break, no C++ compiler, an inductor error: the model still serves, eager
         log.exception("model %s: not compiled: compiling failed; it runs eager", loaded.spec.id)
         cause = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]

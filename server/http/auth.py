@@ -72,11 +72,38 @@ def parse_keys(text: str) -> list[tuple[str, str]]:
     return generated
 
 
+class KeysRefused(ValueError):
+    """Keys configured but not usable: `settings` names the Settings fields at fault (api_keys, api_keys_file),
+    the message what is wrong; `kvserve serve` says both in one line and exits 2, as for any bad setting."""
+
+    def __init__(self, settings: tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.settings = settings
+
+
 def load_keys(inline: str | None, path: Path | None) -> KeyRing:
-    """Raises ValueError when keys were configured but none is usable: a server must not fall open."""
-    pairs = parse_keys((inline or "") + "\n" + (Path(path).read_text() if path is not None else ""))
-    if (inline or path is not None) and not pairs:
-        raise ValueError("API keys are configured (KVSERVE_API_KEYS / KVSERVE_API_KEYS_FILE) but none was found")
+    """Raises KeysRefused when keys were configured but one is malformed, the file cannot be read, or none is
+    found: a server must not fall open."""
+    text = ""
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise KeysRefused(("api_keys_file",), f"{str(path)!r} cannot be read: {why}") from None
+    for setting, given in (("api_keys", inline or ""), ("api_keys_file", text)):
+        try:
+            parse_keys(given)
+        except ValueError as exc:
+            raise KeysRefused((setting,), str(exc)) from None
+    configured = tuple(name for name, given in (("api_keys", inline), ("api_keys_file", path)) if given)
+    try:
+        pairs = parse_keys((inline or "") + "\n" + text)  # what only both together break: a key in each
+    except ValueError as exc:
+        raise KeysRefused(configured, str(exc)) from None
+    if configured and not pairs:
+        where = f" in {str(path)!r}" if path is not None else ""
+        raise KeysRefused(configured, f"API keys are configured but none was found{where}")
     return KeyRing(tuple((hashlib.sha256(key.encode()).digest(), tenant) for key, tenant in pairs))
 
 

@@ -543,9 +543,12 @@ class TritonBackend(AttentionBackend):
 
     @staticmethod
     def self_test(pool: KVPool, num_heads: int) -> str | None:
-        """None when the kernels run here and answer right for this pool's layout, else what failed."""
-        from server.kv import triton_attention
-
+        """None when the kernels run here and answer right for this pool's layout, else what failed (a triton that
+        is installed but does not import, say)."""
+        try:
+            from server.kv import triton_attention
+        except Exception as exc:  # whatever a broken triton raises while it is imported
+            return " ".join(f"triton does not import: {type(exc).__name__}: {exc}".split())[:500]
         return triton_attention.self_test(pool.layout, pool.block_size, num_heads, pool.device)
 
     def plan(self, rows: list[StepRow], slot_mapping: torch.Tensor) -> StepMeta:

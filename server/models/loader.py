@@ -20,6 +20,7 @@ from server.models.convert import converted
 from server.models.digest import ModelDigests, config_digest, state_dict_digest, tokenizer_digest, weights_digest
 from server.models.dtype import DtypeChoice, choose_dtype
 from server.models.packed_linear import PackedLinear, can_pack, pack_linears
+from server.startup import Startup
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -97,7 +98,7 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_source(spec: ModelSpec, cache_dir: Path) -> str:
+def resolve_source(spec: ModelSpec, cache_dir: Path, startup: Startup | None = None) -> str:
     """A directory or hub id that transformers' from_pretrained can read (converting GGUF once)."""
     source = spec.source
     if source.startswith("hf:"):
@@ -113,7 +114,7 @@ def resolve_source(spec: ModelSpec, cache_dir: Path) -> str:
             raise FileNotFoundError(f"no such file or directory: {gguf}")
         if gguf.is_dir():
             return str(gguf)
-    return str(converted(gguf, cache_dir, spec.id))
+    return str(converted(gguf, cache_dir, spec.id, startup))
 
 
 def _package_file(ref: str) -> Path:
@@ -127,26 +128,30 @@ def _package_file(ref: str) -> Path:
     return path
 
 
-def load_model(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
+def load_model(spec: ModelSpec, cache_dir: Path, startup: Startup | None = None) -> LoadedModel:
+    """`startup`: what may ask the load to stop (StartupStopped at its next safe point, never a ModelLoadError)."""
     try:
-        return _load(spec, cache_dir)
+        return _load(spec, cache_dir, startup or Startup())
     except ModelLoadError:
         raise
     except Exception as exc:
         raise ModelLoadError(f"model {spec.id!r} (source {spec.source}) failed to load: {exc}") from exc
 
 
-def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
+def _load(spec: ModelSpec, cache_dir: Path, startup: Startup) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = pick_device(spec.device)
-    where = resolve_source(spec, cache_dir)
+    where = resolve_source(spec, cache_dir, startup)
+    startup.enter("load")
     config = AutoConfig.from_pretrained(where)
     choice: DtypeChoice = choose_dtype(spec.dtype, device)
     log.info("model %s: %s (%s)", spec.id, choice.name, choice.reason)
     dtype = choice.dtype
+    startup.check()
     tokenizer = AutoTokenizer.from_pretrained(where)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).to(device).eval()
+    startup.check()
     reason = unsupported_reason(model)
     if reason is not None:
         raise ModelLoadError(f"model {spec.id!r} cannot be served: {reason}")
@@ -157,6 +162,7 @@ def _load(spec: ModelSpec, cache_dir: Path) -> LoadedModel:
         log.info("model %s: no safetensors weights; digesting the loaded parameters (not cached)", spec.id)
         weights = state_dict_digest(model)
     digests = ModelDigests(weights, config_digest(config), tokenizer_digest(tokenizer))
+    startup.check()
     if can_pack(model, device, dtype):
         layers = pack_linears(model, dtype, spec.id)
         products = sum(isinstance(m, PackedLinear) for m in model.modules())

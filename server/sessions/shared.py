@@ -196,7 +196,7 @@ def refuse_evicting_store(records: SharedRecords) -> None:
     limit = limit.decode() if isinstance(limit, bytes) else str(limit)
     if policy != "noeviction" and limit not in ("0", ""):
         raise EvictingStore(
-            f"the shared store (KVSERVE_SHARED_URL) has maxmemory {limit} with maxmemory-policy {policy}: it could "
+            f"the Redis it names has maxmemory {limit} with maxmemory-policy {policy}: it could "
             "evict session records and tombstones (lost or deleted sessions served again). Give it "
             "maxmemory-policy noeviction (and persistence), or no maxmemory; put K/V blocks, which may be evicted, "
             "in another Redis with KVSERVE_SHARED_BLOCKS_URL (docs/deploy.md)"

@@ -199,3 +199,36 @@ def test_sigkill_loses_no_completed_turn(model_dir, tmp_path):
         assert session(again.base, "kept")["turns"] == 3
     finally:
         again.stop(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_more_signals_while_draining_end_the_drain_at_once_and_the_shutdown_still_runs(model_dir, tmp_path, sig):
+    """A supervisor's second SIGTERM, or Ctrl-C pressed three times: the running request is ended without waiting
+    for the grace period (an hour here: nothing else could end the drain), and the app's shutdown still runs, the
+    engine stopped and the session's K/V written. Never uvicorn's force-exit, which skips the app's shutdown and
+    leaves the engine's thread running in torch into the interpreter's exit."""
+    env = {
+        "KVSERVE_SHUTDOWN_GRACE_S": "3600",
+        "KVSERVE_KV_BUDGET_BYTES": str(pool_bytes(model_dir, POOL_TOKENS)),
+        "KVSERVE_MAX_TOKENS_LIMIT": str(HELD_TOKENS),
+        "KVSERVE_MAX_UNREAD_EVENTS": str(2 * HELD_TOKENS),
+        "KVSERVE_REQUEST_TIMEOUT_S": "36000",
+    }
+    server = Server(model_dir, tmp_path / "state", tmp_path / "log.txt", env, max_context=2 * POOL_TOKENS)
+    two_turns(server.base, "kept")
+    lines: list[str] = []
+    held = stream_in_thread(server.base, streamed([{"role": "user", "content": "Tell"}], HELD_TOKENS), lines)
+    wait_until(lambda: lines, what="the held stream to start")
+    server.proc.send_signal(sig)
+    wait_until(lambda: "draining: 1 requests still running" in server.log_path.read_text(), what="the drain")
+    server.proc.send_signal(sig)  # each sent once the one before was seen: the kernel merges signals pending at once
+    wait_until(lambda: "Waiting for connections to close" in server.log_path.read_text(), what="uvicorn to stop")
+    server.proc.send_signal(sig)
+    assert server.proc.wait(DEADLINE_S) == 0
+    held.join(DEADLINE_S)
+    assert not held.is_alive(), "the held stream did not end"
+    server.log.close()
+    log = server.log_path.read_text()
+    assert "Application shutdown complete" in log
+    assert "the K/V of 1 sessions" in log
+    assert "terminate called" not in log

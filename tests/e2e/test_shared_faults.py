@@ -258,8 +258,13 @@ def test_a_redis_that_could_evict_records_is_refused_at_start(model_dir, tmp_pat
         [sys.executable, "-m", "server", *args], env={**os.environ, **env}, capture_output=True, text=True,
         timeout=DEADLINE_S,
     )  # fmt: skip
-    assert done.returncode != 0
-    assert "maxmemory-policy allkeys-lru" in done.stdout + done.stderr
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr  # a bad setting: one line, as any other
+    assert done.stderr.splitlines() == [
+        "kvserve: --shared-url (KVSERVE_SHARED_URL): the Redis it names has maxmemory 104857600 with maxmemory-policy "
+        "allkeys-lru: it could evict session records and tombstones (lost or deleted sessions served again). Give it "
+        "maxmemory-policy noeviction (and persistence), or no maxmemory; put K/V blocks, which may be evicted, in "
+        "another Redis with KVSERVE_SHARED_BLOCKS_URL (docs/deploy.md)"
+    ]
     store.client.config_set("maxmemory-policy", "noeviction")
     replica(model_dir, tmp_path, "b", store.url)  # starts: records cannot be evicted
 

@@ -1,10 +1,11 @@
 """What an operator meets on day one, with real `kvserve serve` processes on tiny models: replicas started at once
-on one cache directory, a model that cannot load."""
+on one cache directory, a model that cannot load, a broken triton."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,55 @@ def test_a_server_serves_the_models_that_load_and_names_the_one_that_failed(mode
     r = httpx.post(server.base + "/v1/chat/completions", json={"model": "good", **chat}, timeout=DEADLINE_S)
     assert r.status_code == 200, r.text
     assert server.proc.poll() is None  # one model serves: the process stays
+
+
+@pytest.fixture
+def broken_triton(tmp_path) -> Path:
+    """A triton package that imports, and whose triton.language raises: put first on a process's path."""
+    root = tmp_path / "broken-triton"
+    (root / "triton" / "language").mkdir(parents=True)
+    (root / "triton" / "__init__.py").write_text("")
+    (root / "triton" / "language" / "__init__.py").write_text("raise RuntimeError('this triton is broken')\n")
+    return root
+
+
+def on_path(directory: Path) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH")) if p)}
+
+
+def test_a_broken_triton_is_off_in_one_line_and_the_server_serves(broken_triton, model_dir, tmp_path):
+    """It broke torch's compiler, which transformers imports with its models: every start, on a CPU too, with a
+    35-line traceback. Now it is treated as not installed, and said so once."""
+    env = {**SMALL_POOL, **on_path(broken_triton)}
+    server = Server(model_dir, tmp_path / "state", tmp_path / "log", env)
+    chat = {"model": "model", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    r = httpx.post(server.base + "/v1/chat/completions", json=chat, timeout=DEADLINE_S)
+    assert r.status_code == 200, r.text
+    assert server.stop(signal.SIGTERM) == 0
+    log = server.log_path.read_text()
+    assert "Traceback" not in log
+    said = [line for line in log.splitlines() if "this triton is broken" in line]
+    assert len(said) == 1, said
+    assert said[0].endswith(
+        "WARNING kvserve: triton is installed but does not import (RuntimeError: this triton is broken): off, as if "
+        "not installed (the Triton kernels; CUDA attention by SDPA)"
+    )
+
+
+def test_with_a_broken_triton_hidden_torch_compile_works_and_the_triton_backend_is_not_chosen(broken_triton):
+    """On a CPU inductor generates C++, without triton: --compile keeps working. The Triton backend is chosen
+    only where triton is installed, which a hidden one is not."""
+    code = (
+        "from server.__main__ import hide_broken_triton\n"
+        "hide_broken_triton()\n"
+        "import torch\n"
+        "from server.engine.model_runner import triton_available\n"
+        "print(triton_available(), torch.compile(lambda x: x * 2)(torch.ones(2)).tolist())\n"
+    )
+    env = {**os.environ, **on_path(broken_triton)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=DEADLINE_S, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["False [2.0, 2.0]"]

@@ -104,7 +104,7 @@ async def test_the_compiled_model_answers_as_hf_generate(tiny, tmp_path, monkeyp
 
 
 async def test_a_model_that_fails_to_compile_serves_eager(tiny, tmp_path, monkeypatch):
-    def fail(self):
+    def fail(self, startup=None):
         raise RuntimeError("inductor could not build this graph")
 
     monkeypatch.setattr(CompiledModel, "compile", fail)

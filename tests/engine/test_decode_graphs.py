@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,10 +13,11 @@ import pytest
 import torch
 
 from server.engine import model_runner
-from server.engine.decode_graphs import BUCKETS, bucket_of, buckets_for
+from server.engine.decode_graphs import BUCKETS, StaticDecode, bucket_of, buckets_for
 from server.engine.model_runner import static_decode_graphs
 from server.engine.scheduler import Row
 from server.models.loader import load_model
+from server.startup import Startup, StartupStopped
 from tests.helpers import make_engine, reference_greedy, run
 
 
@@ -185,3 +187,79 @@ def test_every_step_passes_transformers_a_4d_mask_it_keeps_as_it_is(tiny32, monk
     seq.num_computed, seq.is_prefilled = 7, True
     runner.run([Row(seq, [17], True)])  # type: ignore[arg-type]  # the static step
     assert runner.graphs.stats.num_replays == 1
+
+
+class StandIn:
+    """What a capture asks of CUDA, stood in for on a CPU: every forward runs eagerly; the calls are recorded in
+    order. `stop_during`: the bucket whose recording asks start-up to stop (a signal arriving meanwhile);
+    `fail_during`: the one whose recording raises (a capture CUDA refuses)."""
+
+    def __init__(self, startup: Startup, stop_during: int | None = None, fail_during: int | None = None) -> None:
+        self.startup, self.stop_during, self.fail_during = startup, stop_during, fail_during
+        self.calls: list[object] = []
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        self.calls.append("side stream")
+        yield
+        self.calls.append("default stream")
+
+    def record(self, forward):
+        size = forward.__self__.size
+        self.calls.append(("record", size))
+        if size == self.fail_during:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        forward()
+        if size == self.stop_during:
+            self.startup.stop()
+        return SimpleNamespace(replay=forward)
+
+    def synchronize(self):
+        self.calls.append("synchronize")
+
+
+def test_a_capture_warms_every_bucket_up_on_a_side_stream_then_records_them_largest_first(tiny32, monkeypatch):
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
+    engine.stop()
+    graphs = static_decode_graphs(engine.runner, tiny32, (1, 2, 4))
+    ran: list[int] = []
+    forward = StaticDecode.forward
+
+    def counted(static: StaticDecode) -> None:
+        ran.append(static.size)
+        forward(static)
+
+    monkeypatch.setattr(StaticDecode, "forward", counted)
+    recorder = StandIn(Startup())
+    graphs.capture(recorder)
+    assert ran == [4, 2, 1] * 2  # the warm-ups, then each forward once more under its recording
+    assert recorder.calls == ["side stream", "default stream", ("record", 4), ("record", 2), ("record", 1),
+                              "synchronize"]  # fmt: skip
+    assert sorted(graphs.graphs) == [1, 2, 4]
+
+
+def test_a_stop_asked_during_the_capture_ends_it_between_two_buckets_never_inside_one(tiny32):
+    """Start-up is stopped while bucket 4 is recorded: that recording completes, bucket 2's never starts, and the
+    runner lets StartupStopped through (no "capture failed, every step eager": the model is not served at all)."""
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
+    engine.stop()
+    runner = engine.runner
+    startup = Startup()
+    recorder = StandIn(startup, stop_during=4)
+    with pytest.raises(StartupStopped):
+        runner._capture(tiny32, 4, startup, recorder)
+    assert recorder.calls == ["side stream", "default stream", ("record", 4)]
+    assert runner.graphs is not None
+    assert sorted(runner.graphs.graphs) == [4]
+    assert startup.phase == "capture"
+
+
+def test_a_capture_that_fails_leaves_every_step_eager_and_says_why(tiny32):
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
+    engine.stop()
+    runner = engine.runner
+    runner._capture(tiny32, 4, Startup(), StandIn(Startup(), fail_during=2))
+    assert runner.graphs is None
+    assert runner.graphs_detail == (
+        "capture failed, every step eager: RuntimeError: operation not permitted when stream is capturing"
+    )

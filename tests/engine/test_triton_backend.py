@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from server import kv
 from server.engine import model_runner
 from server.engine.scheduler import Row
 from server.kv import kernels, triton_attention
@@ -168,6 +170,23 @@ def test_a_host_where_the_kernels_do_not_run_serves_by_sdpa_and_says_why(tiny32,
     assert backend.detail == f"every row one SDPA call (the Triton kernels do not run here: {failure})"
     assert not engine.runner.deterministic
     assert engine.runner.deterministic_detail == "unavailable: the Triton kernels do not run here"
+
+
+def test_a_triton_whose_kernels_module_does_not_import_serves_by_sdpa_and_says_why(tiny32, monkeypatch):
+    """The self-test imports the kernels' module: a triton that fails there is a host where they do not run, not
+    a model that fails to start."""
+    monkeypatch.setattr(model_runner, "triton_available", lambda: True)  # installed, by what pip says
+    monkeypatch.setitem(sys.modules, "triton", None)  # and `import triton` fails
+    monkeypatch.delitem(sys.modules, "server.kv.triton_attention")  # imported again, by the self-test
+    monkeypatch.delattr(kv, "triton_attention")
+    engine = make_engine(tiny32, budget_bytes=4 << 20, block_size=4, attention="triton")
+    engine.stop()
+    backend = engine.runner.backend
+    assert backend.name == "sdpa"
+    assert backend.detail == (
+        "every row one SDPA call (the Triton kernels do not run here: triton does not import: ModuleNotFoundError: "
+        "import of triton halted; None in sys.modules)"
+    )
 
 
 def test_asking_for_a_backend_checks_it_can_run_here(tiny32, monkeypatch):

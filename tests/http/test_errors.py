@@ -268,9 +268,9 @@ def test_ready_is_503_while_a_model_loads(tiny_spec, monkeypatch):
     release = threading.Event()
     real_load = server.hosting.load_model
 
-    def slow_load(spec, cache_dir):
+    def slow_load(spec, cache_dir, startup):
         release.wait(30)
-        return real_load(spec, cache_dir)
+        return real_load(spec, cache_dir, startup)
 
     monkeypatch.setattr(server.hosting, "load_model", slow_load)
     with TestClient(create_app(Settings(), specs=[tiny_spec])) as c:

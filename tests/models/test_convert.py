@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from server.models import convert as convert_mod
 from server.models.convert import converted, gguf_cache_dir
+from server.startup import Startup
 from tests.helpers import DEADLINE_S, wait_until
 from tests.tiny import build_tokenizer
 from tests.tiny_gguf import save_tiny_gguf
@@ -39,7 +40,7 @@ def test_threads_converting_at_once_convert_once_and_both_get_the_target(gguf_fi
     started, release = threading.Event(), threading.Event()
     calls: list[Path] = []
 
-    def slow_convert(gguf: Path, directory: Path) -> None:
+    def slow_convert(gguf: Path, directory: Path, startup: Startup) -> None:
         calls.append(directory)
         started.set()
         assert release.wait(DEADLINE_S), "the test never let the conversion finish"
@@ -75,7 +76,7 @@ def test_a_failed_conversion_leaves_nothing_and_a_dead_ones_directory_goes(gguf_
     cache = tmp_path / "cache"
     target = gguf_cache_dir(gguf_file, cache, "tiny")
 
-    def failing(gguf: Path, directory: Path) -> None:
+    def failing(gguf: Path, directory: Path, startup: Startup) -> None:
         (directory / "half.safetensors").write_bytes(b"half")
         raise RuntimeError("out of disk")
 
@@ -88,7 +89,7 @@ def test_a_failed_conversion_leaves_nothing_and_a_dead_ones_directory_goes(gguf_
     dead.mkdir()
     (dead / "half.safetensors").write_bytes(b"half")
     monkeypatch.setattr(
-        convert_mod, "convert_gguf", lambda gguf, directory: (directory / "config.json").write_text("{}")
+        convert_mod, "convert_gguf", lambda gguf, directory, startup: (directory / "config.json").write_text("{}")
     )
     assert converted(gguf_file, cache, "tiny") == target
     assert sorted(p.name for p in cache.iterdir()) == [target.name, f"{target.name}.lock"]
