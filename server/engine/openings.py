@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-FORBIDDEN = -1e30  # as the grammar's masks: no softmax, argmax or draw can pick it
+from server.engine.grammar import FORBIDDEN
+
 SPACES = " \t\r"  # what may stand before a line's first text without making it start elsewhere
 
 # How a token moves the line state: text after its last line break is only spaces (a line starts), it holds only

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from server.engine.openings import FORBIDDEN, KEEPS, OPENS, WRITES, OpeningBans, apply_bans
+from server.engine.grammar import FORBIDDEN
+from server.engine.openings import KEEPS, OPENS, WRITES, OpeningBans, apply_bans
 from tests.helpers import make_engine, reference_greedy, run
 
 TAG = "<tool_response>"
