@@ -45,6 +45,7 @@ def request(prompt_ids, session: str | None = None, rid: str = "r", kv_source: s
     max_unread_events = params.pop("max_unread_events", None)
     use_cache = params.pop("use_cache", True)
     constraint = params.pop("constraint", None)
+    banned_openings = params.pop("banned_openings", ())
     params.setdefault("temperature", 0.0)
     key = SessionKey("default", session) if session else None
     return GenerationRequest(
@@ -57,6 +58,7 @@ def request(prompt_ids, session: str | None = None, rid: str = "r", kv_source: s
         timeout_s=timeout_s,
         max_unread_events=max_unread_events,
         constraint=constraint,
+        banned_openings=banned_openings,
     )
 
 

@@ -20,6 +20,7 @@ from server.engine.handle import RequestHandle
 from server.engine.inbox import Inbox, Query, Submission
 from server.engine.loop import EngineLoop, EngineStats
 from server.engine.model_runner import ForwardCounter, ModelRunner
+from server.engine.openings import OpeningBans
 from server.engine.request import EngineBusy, EngineStopped, GenerationRequest, QueueFull, TooLarge
 from server.engine.scheduler import Scheduler
 from server.kv.blocks import BlockManager, BooksBusy, Residency
@@ -71,6 +72,8 @@ class Engine:
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_ids)
         self.loop = EngineLoop(loaded, store, self.runner, self.blocks, self.offloader, self.scheduler, self._inbox)
         self.loop.grammars = self.grammars
+        self.openings = OpeningBans(loaded.tokenizer, loaded.vocab_size, loaded.eos_ids, loaded.device)
+        self.loop.openings = self.openings
         self._num_submitted = 0  # written by the event loop only
         self.query_timeout_s = QUERY_TIMEOUT_S
         self._thread = threading.Thread(target=self.loop.run, name=f"engine-{self.model_id}", daemon=True)
@@ -147,7 +150,10 @@ class Engine:
 
     async def submit_async(self, request: GenerationRequest) -> RequestHandle:
         """`submit`, with the session locked on a worker thread when that needs the shared store (Redis round
-        trips stay off the event loop). A caller cancelled meanwhile leaves the session released."""
+        trips stay off the event loop). A caller cancelled meanwhile leaves the session released. The first
+        request that bans openings has every token's text read on a worker thread, not the engine's."""
+        if request.banned_openings and not self.openings.is_ready(request.banned_openings):
+            await asyncio.to_thread(self.openings.prepare, request.banned_openings)
         if request.session is None or request.session.is_bucket or not self.store.is_shared:
             return self.submit(request)
         self._check(request)

@@ -21,6 +21,7 @@ import torch
 from server.engine.grammar import Grammars, apply_bitmask
 from server.engine.inbox import WAKE, Errand, Inbox, Query, Submission
 from server.engine.model_runner import ModelRunner
+from server.engine.openings import OpeningBans, apply_bans
 from server.engine.request import CANCELLED, SHUTTING_DOWN, SLOW_READER, Admitted, Failed, Finished
 from server.engine.sampler import batch_greedy, batch_sample
 from server.engine.scheduler import Admission, Row, Scheduler
@@ -87,6 +88,7 @@ class EngineLoop:
         self.stats = EngineStats(num_blocks=blocks.num_blocks)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix=f"kv-loader-{self.model_id}")
         self.grammars: Grammars | None = None  # the engine's, for the masks of constrained rows
+        self.openings: OpeningBans | None = None  # the engine's, for rows whose lines may not open with some text
 
     def run(self) -> None:
         """The engine thread's body, until the inbox closes; then everything still here is answered."""
@@ -130,7 +132,7 @@ class EngineLoop:
                     log.exception("an errand on the engine thread failed")
                 continue
             try:
-                self.scheduler.add(Sequence(item.request, item.session, item.handle, self.loaded))
+                self.scheduler.add(Sequence(item.request, item.session, item.handle, self.loaded, self.openings))
             except Exception:
                 log.exception("request %s could not start", item.request.request_id)
                 self._reject(item, Failed("internal_error", "the request could not start"))
@@ -265,7 +267,12 @@ class EngineLoop:
                 self._finish(row.seq, Finished("length", row.seq.usage()), is_complete=True)
 
     def _mask(self, sampled: list[Sequence], logits: torch.Tensor) -> None:
-        """Constrained rows: the tokens their grammars forbid get -inf, before any row samples."""
+        """Constrained rows: the tokens their grammars forbid get -inf, before any row samples; and rows with banned
+        openings the tokens that would open one here."""
+        banned = [index for index, seq in enumerate(sampled) if seq.opening_ban is not None]
+        if banned:
+            with torch.inference_mode():  # the logits are the forward pass's inference tensors
+                apply_bans(logits, banned, [sampled[i].opening_ban for i in banned])  # type: ignore[misc]
         rows = [index for index, seq in enumerate(sampled) if seq.constraint is not None]
         if not rows or self.grammars is None:
             return

@@ -53,6 +53,9 @@ class GenerationRequest:
     # Makes the request's own judge of its reply: fed each piece of text as it is released, True ends the reply
     # there ("stop", its text kept), as a stop string would (a forced reply that repeats a call: it is looping).
     reply_watch: Callable[[], Callable[[str], bool]] | None = None
+    # Texts no line of the reply may open with (a tool result's tag, which a small model echoes instead of
+    # answering): masked where a line starts (engine/openings.py). A grammar, when there is one, decides alone.
+    banned_openings: tuple[str, ...] = ()
 
     @property
     def is_prefill_only(self) -> bool:

@@ -8,6 +8,7 @@ from concurrent.futures import Future
 
 from server.engine.detokenizer import Detokenizer
 from server.engine.handle import RequestHandle
+from server.engine.openings import OpeningBan, OpeningBans
 from server.engine.request import GenerationRequest, TextDelta, TokenLogprob
 from server.engine.sampler import Sampler
 from server.kv.blocks import Block
@@ -25,7 +26,12 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(
-        self, request: GenerationRequest, session: Session | None, handle: RequestHandle, loaded: LoadedModel
+        self,
+        request: GenerationRequest,
+        session: Session | None,
+        handle: RequestHandle,
+        loaded: LoadedModel,
+        openings: OpeningBans | None = None,
     ) -> None:
         self.request = request
         self.session = session  # locked for this request; None for stateless requests and busy buckets
@@ -51,6 +57,10 @@ class Sequence:
         self.sampler = Sampler(params, request.prompt_ids, loaded.vocab_size, loaded.device)
         self.detok = Detokenizer(loaded.tokenizer, params.stop, request.shown_special_ids)
         self.constraint = request.constraint
+        # A grammar decides alone: it may need what a ban masks (a forced call opens with a tag of its own).
+        self.opening_ban: OpeningBan | None = None
+        if request.banned_openings and openings is not None and self.constraint is None:
+            self.opening_ban = openings.ban(request.banned_openings)
         self._is_reply_over = request.reply_watch() if request.reply_watch is not None else None
         # A grammar that is done allows only the end of sequence: it ends the reply even with ignore_eos.
         ends = set() if params.ignore_eos and self.constraint is None else set(loaded.eos_ids)
@@ -89,6 +99,8 @@ class Sequence:
         """A sampled token: stop rules, then the text that became final (None while nothing did)."""
         self.token_ids.append(token_id)
         self.sampler.observe(token_id)
+        if self.opening_ban is not None:
+            self.opening_ban.observe(token_id)
         if self.constraint is not None and token_id not in self._stop_ids and not self.constraint.consume(token_id):
             raise RuntimeError(f"the output grammar refused token {token_id}: {self.constraint.error}")
         if token_id in self._stop_ids:

@@ -100,6 +100,7 @@ class Serving:
             reply=reading.reply if messages is not None else None,
             shown_special_ids=reading.markers,
             reply_watch=reading.watch if reading.watches_repeats else None,
+            banned_openings=reading.banned_openings,
         )
 
     async def start(

@@ -249,6 +249,13 @@ class Reading:
         return read_reply(text, self.tools, self.syntax, self.request_id, self.hides_responses)
 
     @property
+    def banned_openings(self) -> tuple[str, ...]:
+        """For the engine: where this reader hides tool responses, the model may not open a line with one (the
+        block would be hidden and the reply left empty; `engine/openings.py`); the reader still hides one written
+        mid-line."""
+        return (RESPONSE_OPEN,) if self.hides_responses else ()
+
+    @property
     def watches_repeats(self) -> bool:
         """A forced reply that may hold several calls: the engine ends it at the first repeated one (`watch`)."""
         return self.tools is not None and self.tools.is_forced and self.tools.parallel

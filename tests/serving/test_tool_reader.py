@@ -245,6 +245,19 @@ def test_a_tool_response_is_content_where_the_prompt_holds_none():
     assert not Reading.of(llama, TOOLS, "r", result).hides_responses  # its template wraps results otherwise
 
 
+def test_the_engine_keeps_a_tool_response_from_opening_a_line_only_where_the_reader_hides_one():
+    generic = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    tokenizer = SimpleNamespace(chat_template=generic, all_special_ids=[], added_tokens_decoder={})
+    tokenizer.convert_tokens_to_ids = lambda token: None
+    result = [{"role": "tool", "tool_call_id": "c", "content": "{}"}]
+    asked = [{"role": "user", "content": "Hi"}]
+    assert Reading.of(tokenizer, TOOLS, "r", [*asked, *result]).banned_openings == ("<tool_response>",)
+    assert Reading.of(tokenizer, None, "r", [*asked, *result]).banned_openings == ("<tool_response>",)
+    assert Reading.of(tokenizer, TOOLS, "r", asked).banned_openings == ()  # no tool result: nothing to echo
+    llama = SimpleNamespace(**{**vars(tokenizer), "chat_template": '{{ tools }} "parameters" <|python_tag|> ipython'})
+    assert Reading.of(llama, TOOLS, "r", result).banned_openings == ()
+
+
 # -- a forced reply that repeats a call ends there ---------------------------------------------
 def test_a_forced_reply_ends_at_its_first_repeated_call():
     other = '<tool_call>{"name":"add","arguments":{"a":2}}</tool_call>'
