@@ -287,18 +287,42 @@ class SessionStore:
 
     # -- changing ---------------------------------------------------------------------
     def rewind(self, key: SessionKey, num_turns: int) -> Session:
+        def cut(session: Session) -> Session:
+            session.check_turn(num_turns)
+            staged = session.copy()
+            staged.cut(num_turns)
+            return staged
+
+        return self._change(key, cut)
+
+    def mark(self, key: SessionKey, name: str, value: Any, expected: Any) -> Session:
+        """Set `extras[name]` to `value` where it is `expected` now: a compare-and-set of one field of an idle
+        record, journaled (and committed to the shared store on top of the record it read) before it applies.
+        Raises SessionNotFound, SessionBusy (in use, or the field or another replica moved on), StateUnavailable."""
+
+        def set_field(session: Session) -> Session:
+            if session.extras.get(name) != expected:
+                raise SessionBusy(f"{key.kind} {key.name!r} is being changed by another request")
+            staged = session.copy()
+            staged.extras = {**session.extras, name: value}
+            return staged
+
+        return self._change(key, set_field)
+
+    def _change(self, key: SessionKey, stage: Callable[[Session], Session]) -> Session:
+        """A change of an idle session: `stage(session)`, under the lock, gives its changed copy (or raises to
+        refuse it), which is committed (the shared store on top of the record it was made from, then the journal:
+        outside the lock) and only then applied. No turn starts on the session meanwhile."""
         self._sync.refresh(key)
         with self._table.lock:
             session = self._table.sessions.get(key)
             if session is None:
                 raise SessionNotFound(f"no session {key.name!r}")
             if session.is_in_use:
-                raise SessionBusy(f"session {key.name!r} has a request in flight")
-            session.check_turn(num_turns)
-            staged = session.copy()
-            staged.cut(num_turns)
+                raise SessionBusy(f"{key.kind} {key.name!r} has a request in flight")
+            staged = stage(session)
             staged.rev, staged.op = session.rev + 1, new_op()
-            session.is_in_use = True  # no turn starts while the rewind commits (outside the lock)
+            session.is_in_use = True  # no turn starts while the change commits (outside the lock)
             self._table.index.busy(session)
         try:
             self._save(staged, expected_op=session.op)
@@ -310,43 +334,10 @@ class SessionStore:
         with self._table.lock:
             if self._table.sessions.get(key) is session:
                 self._table.index.retranscribe(session, staged.transcript_ids)
-                session.turns, session.messages, session.rev = staged.turns, staged.messages, staged.rev
-                session.op, session.epoch = staged.op, staged.epoch
+                session.turns, session.messages, session.extras = staged.turns, staged.messages, staged.extras
+                session.rev, session.op, session.epoch = staged.rev, staged.op, staged.epoch
                 session.last_use, session.last_use_wall = self._clock(), self._wall()
                 self._table.index.touch(session)
-        return session
-
-    def mark(self, key: SessionKey, name: str, value: Any, expected: Any) -> Session:
-        """Set `extras[name]` to `value` where it is `expected` now: a compare-and-set of one field of an idle
-        record, journaled (and committed to the shared store on top of the record it read) before it applies.
-        Raises SessionNotFound, SessionBusy (in use, or the field or another replica moved on), StateUnavailable."""
-        self._sync.refresh(key)
-        with self._table.lock:
-            session = self._table.sessions.get(key)
-            if session is None:
-                raise SessionNotFound(f"no session {key.name!r}")
-            if session.is_in_use or session.extras.get(name) != expected:
-                raise SessionBusy(f"{key.kind} {key.name!r} is being changed by another request")
-            staged = session.copy()
-            staged.extras = {**session.extras, name: value}
-            staged.rev, staged.op = session.rev + 1, new_op()
-            session.is_in_use = True  # nothing else changes it while the mark commits (outside the lock)
-            self._table.index.busy(session)
-        try:
-            self._save(staged, expected_op=session.op)
-        finally:
-            with self._table.lock:
-                session.is_in_use = False
-                if self._table.sessions.get(key) is session:
-                    self._table.index.touch(session)
-        with self._table.lock:
-            if self._table.sessions.get(key) is session:
-                session.extras, session.rev, session.op, session.epoch = (
-                    staged.extras,
-                    staged.rev,
-                    staged.op,
-                    staged.epoch,
-                )
         return session
 
     def _drop_unclaimed(self, session: Session) -> bool:
