@@ -156,6 +156,10 @@ class AttentionBackend:
     def rest(self) -> None:
         """No rows this step (the engine waits for work): what is kept across steps may go."""
 
+    def kept_bytes(self) -> int:
+        """Bytes of what it keeps across steps (the tiled backend's cascade head layouts; none otherwise)."""
+        return 0
+
     # -- shared pieces -------------------------------------------------------------------------------------------
     def _count(self, meta: StepMeta) -> StepMeta:
         s = self.stats
@@ -347,6 +351,9 @@ class TiledBackend(AttentionBackend):
 
     def rest(self) -> None:
         self.head_layouts.for_step([])
+
+    def kept_bytes(self) -> int:
+        return self.head_layouts.kept_bytes
 
 
 def _head_states(

@@ -56,6 +56,10 @@ class HeadLayout:
             self._tally.made += 1
         return made
 
+    def made(self) -> list[torch.Tensor]:
+        """The layouts made so far, keys and values of each layer that has one."""
+        return [t for layer in self._layers if layer is not None for t in layer]
+
 
 class HeadLayouts:
     """The layouts kept for a pool's heads, by the stamps of their blocks."""
@@ -90,6 +94,11 @@ class HeadLayouts:
                 used += size
         self._kept = kept
         return [kept.get(key) for key in stamps]
+
+    @property
+    def kept_bytes(self) -> int:
+        """The storage the kept layouts hold (each layer's made by its first call: a head's bytes come as used)."""
+        return sum(t.untyped_storage().nbytes() for head in self._kept.values() for t in head.made())
 
     @property
     def num_made(self) -> int:

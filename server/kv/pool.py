@@ -156,6 +156,13 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.k + self.v)
 
+    def host_regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of each K and V tensor's storage in host memory (none for a device's pool): which of
+        their pages are in RAM says how much of the pool has been written (`server/memory.py: resident_bytes`)."""
+        if self.device.type != "cpu":
+            return []
+        return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in self.k + self.v]
+
     def slot_ids(self, block_ids: list[int], start: int, end: int) -> list[int]:
         """The slots of positions start..end-1 of a sequence whose positions fill these blocks in order."""
         bs = self.block_size

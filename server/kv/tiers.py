@@ -226,6 +226,13 @@ class TierStore:
             usage.disk_tokens, usage.disk_bytes, usage.disk_shared_bytes = self.disk.usage(key)
         return usage
 
+    def host_bytes(self, model_id: str) -> int:
+        """Bytes of `model_id`'s snapshots in host RAM, those on their way to disk included (still held)."""
+        with self._lock:
+            held = [s for s in [*self._host.values(), *self._writing.values()] if s.model_id == model_id]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for s in held for t in s.k + s.v}
+        return sum(storages.values())  # a snapshot in both places, or sharing a storage, counts once
+
     def totals(self) -> TierStats:
         with self._lock:
             self.stats.host_bytes = sum(s.nbytes for s in [*self._host.values(), *self._writing.values()])

@@ -75,3 +75,18 @@ def test_a_layer_is_laid_out_once_and_its_size_is_what_the_limit_counts():
     assert kept.num_made == 3
     assert again is made[1]
     assert sum(t.nbytes for pair in made for t in pair) == kept.nbytes(3)
+
+
+@pytest.mark.skipif(not kernels.paged_prefill_available(torch.bfloat16, 64), reason="no AVX512-BF16 build")
+def test_what_the_kept_layouts_hold_is_counted_as_they_are_made_and_gone_with_them():
+    kept = layouts(100)
+    pool_k = [torch.randn(2, 8 * BLOCK, 64).to(torch.bfloat16) for _ in range(3)]
+    pool_v = [torch.randn(2, 8 * BLOCK, 64).to(torch.bfloat16) for _ in range(3)]
+    blocks = torch.tensor([7, 2, 5], dtype=torch.int32)
+    (head,) = kept.for_step([(11, 12, 13)])
+    assert head is not None
+    assert kept.kept_bytes == 0  # a head's layers are laid out by their first call
+    made = [head.of_layer(layer, pool_k[layer], pool_v[layer], blocks, 3 * BLOCK) for layer in range(2)]
+    assert kept.kept_bytes == sum(t.untyped_storage().nbytes() for pair in made for t in pair) > 0
+    kept.for_step([])  # a step without it drops it
+    assert kept.kept_bytes == 0

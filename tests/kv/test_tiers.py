@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ from server.kv.pool import KVLayout, quantize
 from server.kv.snapshot import Snapshot
 from server.kv.tiers import TierStore
 from server.sessions.record import SessionKey
+from tests.helpers import DEADLINE_S
 
 LAYOUT = KVLayout(2, 1, 4, torch.float32)
 FP = LAYOUT.fingerprint()
@@ -340,4 +342,32 @@ def test_the_partial_last_block_is_read_when_the_prompt_ends_with_it(tmp_path):
     assert got.token_ids == list(range(10))
     assert same(got, make("a", 10), 10)
     assert read(tiers, "a", list(range(9))).token_ids == list(range(8))  # ending inside the tail: not usable
+    tiers.close()
+
+
+def test_host_bytes_are_a_models_snapshots_held_in_host_ram_those_on_their_way_to_disk_too(tmp_path, monkeypatch):
+    real_write = DiskBlocks.write
+    writing, go_on = threading.Event(), threading.Event()
+
+    def held_write(self, items):
+        writing.set()
+        assert go_on.wait(DEADLINE_S), "the test never let the write go on"
+        return real_write(self, items)
+
+    monkeypatch.setattr(DiskBlocks, "write", held_write)
+    one = make("a").nbytes
+    tiers = tiers_at(tmp_path, host=2 * one)
+    tiers.put(make("a"))
+    tiers.put(make("b"))
+    other = replace(make("c"), model_id="other")
+    tiers.put(other)  # over the budget: a, the oldest, goes on to disk
+    assert writing.wait(DEADLINE_S), "a was never written"
+    assert tiers.host_bytes("m") == 2 * one  # b, and a while it is written: still held
+    assert tiers.host_bytes("other") == other.nbytes
+    go_on.set()
+    tiers.flush_pending()
+    assert tiers.host_bytes("m") == one  # written: only b is held
+    tiers.drop(SessionKey("t", "b"))
+    assert tiers.host_bytes("m") == 0
+    assert tiers.host_bytes("no-such-model") == 0
     tiers.close()
