@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from server import memory
 from server.engine.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.threads import use_compute_threads
@@ -235,6 +236,16 @@ class ModelHost:
             state.detail = "compiling the model (torch.compile; minutes the first time, cached after)"
         engine = Engine(loaded, self.store, self.tiers, self._engine_config(loaded), self.startup)
         self.startup.check()  # no engine thread starts once a stop was asked (close lists the engines after this)
+        held = memory.process_rss()
+        memory.release_freed()  # what loading freed (the checkpoint's tensors, the weights before packing) goes back
+        rss = memory.process_rss()
+        log.info(
+            "model %s: holds %s; the process: %.0f MiB resident, after %.0f MiB the allocator kept free went back",
+            state.spec.id,
+            engine.resident().describe(),
+            rss / 2**20,
+            (held - rss) / 2**20,
+        )
         engine.start()
         try:
             if self.fingerprints is not None:

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from server import memory
 from server.engine.config import EngineConfig
 from server.engine.grammar import Grammars
 from server.engine.handle import RequestHandle
@@ -22,6 +23,7 @@ from server.engine.loop import EngineLoop, EngineStats
 from server.engine.model_runner import ForwardCounter, ModelRunner
 from server.engine.openings import OpeningBans
 from server.engine.request import EngineBusy, EngineStopped, GenerationRequest, QueueFull, TooLarge
+from server.engine.resident import ResidentBytes
 from server.engine.scheduler import Scheduler
 from server.kv.blocks import BlockManager, BooksBusy, Residency
 from server.kv.offload import Offloader
@@ -78,6 +80,9 @@ class Engine:
         self.query_timeout_s = QUERY_TIMEOUT_S
         self._thread = threading.Thread(target=self.loop.run, name=f"engine-{self.model_id}", daemon=True)
         pool = self.runner.pool
+        self._tiers = tiers
+        self._pool_bytes = pool.nbytes
+        self._pool_regions = tuple(pool.host_regions())  # fixed: the pool is allocated once, for the engine's life
         log.info(
             "model %s: paged K/V pool of %d blocks x %d tokens (%.0f MiB); K/V fingerprint %s (%s, %s)",
             self.model_id,
@@ -125,6 +130,22 @@ class Engine:
     @property
     def stats(self) -> EngineStats:
         return self.loop.stats
+
+    def resident(self) -> ResidentBytes:
+        """What this model holds in memory now, by part: the weights as they were at load, the pool (and which of
+        its pages are in RAM: the OS is asked, a few ms for a 4 GiB pool, so call it off the event loop), the kept
+        head layouts the engine thread last published, this model's snapshots in host RAM."""
+        weights = self.runner.weights
+        touched = memory.resident_bytes(self._pool_regions) if self._pool_regions else None
+        return ResidentBytes(
+            weights=weights.dense,
+            packed_weights=weights.packed,
+            gemv_weights=weights.gemv,
+            kv_pool=self._pool_bytes,
+            head_layouts=self.stats.head_layout_bytes,
+            host_tier=self._tiers.host_bytes(self.model_id),
+            kv_pool_touched=touched,
+        )
 
     @property
     def num_active(self) -> int:

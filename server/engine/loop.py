@@ -51,6 +51,7 @@ class EngineStats:
     num_evictions: int = 0
     num_spilled: int = 0
     num_done: int = 0  # requests answered for good, ever
+    head_layout_bytes: int = 0  # the attention backend's kept cascade head layouts (`kept_bytes`)
 
 
 @dataclass(slots=True, frozen=True)
@@ -388,4 +389,5 @@ class EngineLoop:
             num_evictions=self.blocks.num_evictions,
             num_spilled=self.offloader.num_spilled,
             num_done=self._num_done(),
+            head_layout_bytes=self.runner.backend.kept_bytes(),
         )

@@ -55,6 +55,7 @@ from server.kv.snapshot import Snapshot
 from server.models.digest import ModelDigests
 from server.models.loader import LoadedModel
 from server.models.packed_linear import batch_invariance, decode_products, linear_invariance, pad_rows
+from server.models.weight_bytes import weight_bytes
 from server.startup import Startup
 
 log = logging.getLogger("kvserve.engine")
@@ -117,6 +118,9 @@ class ModelRunner:
         # Decode steps' products by our kernel: outside deterministic mode (its sums are not oneDNN's)
         gemv = not self.deterministic and has_kernels and bool(torch.ops.kvserve.bf16_gemv_available())
         self.decode_products = decode_products(loaded.model, gemv)
+        # What the model's weights hold once this engine's choices are made: fixed from here (one engine per model
+        # in a server; an engine built later on the same model object turns the copies on or off for both)
+        self.weights = weight_bytes(loaded.model)
         if self.decode_products:
             log.info(
                 "model %s: %d linear layers take decode steps' rows by bf16_gemv", loaded.spec.id, self.decode_products

@@ -13,7 +13,9 @@ the seeds may not be near-ties, and the tests still hold the mode to its promise
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -338,6 +340,9 @@ def test_an_engine_out_of_the_mode_takes_decode_rows_by_bf16_gemv_and_one_in_it_
     try:
         assert fast.runner.decode_products == (len(layers) if gemv else 0)  # the tiny model's sizes all fit
         assert all((m.gemv is not None) is bool(gemv) for m in layers)
+        held = fast.resident()
+        assert held.gemv_weights == (held.packed_weights if gemv else 0)  # the linear weights a second time
+        copies = [weakref.ref(m.gemv) for m in layers if m.gemv is not None]
     finally:
         fast.stop()
     exact = engine(bf16)  # on the same model object: the probe must measure oneDNN's products, not the kernel's
@@ -345,5 +350,9 @@ def test_an_engine_out_of_the_mode_takes_decode_rows_by_bf16_gemv_and_one_in_it_
         assert exact.runner.deterministic, exact.runner.deterministic_detail
         assert exact.runner.decode_products == 0
         assert all(m.gemv is None for m in layers)
+        gc.collect()
+        assert [ref() for ref in copies if ref() is not None] == []  # freed, not only unused
+        assert exact.resident().gemv_weights == 0
+        assert exact.resident().packed_weights == held.packed_weights  # oneDNN's: what the mode computes with
     finally:
         exact.stop()
