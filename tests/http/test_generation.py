@@ -250,6 +250,16 @@ def test_one_model_object_says_dtype_context_and_kv_size(client):
     backend = engine.runner.backend  # float64: the decode kernel's pools (SDPA where no compiler built it)
     assert tiny["attention"] == {"backend": backend.name, "detail": backend.detail}
     assert tiny["attention"]["backend"] in ("kernel", "sdpa")
+    held = tiny["resident_bytes"]  # what the model holds, by part (float64: nothing packed, no bf16_gemv copies)
+    parts = ("weights", "packed_weights", "gemv_weights", "kv_pool", "head_layouts", "host_tier")
+    assert set(held) == {*parts, "total", "kv_pool_touched", "process_rss"}
+    assert held["total"] == sum(held[part] for part in parts)
+    assert held["weights"] == engine.runner.weights.dense > 0
+    assert (held["packed_weights"], held["gemv_weights"]) == (0, 0)
+    assert held["kv_pool"] == engine.runner.pool.nbytes
+    assert 0 <= held["kv_pool_touched"] <= held["kv_pool"]
+    assert held["process_rss"] > held["weights"]
+    assert all(value >= 0 for value in held.values())
     missing = client.get("/v1/models/no-such")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"

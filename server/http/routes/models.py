@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Depends
 
+from server import memory
 from server.engine.engine import Engine
 from server.hosting import ModelHost
 from server.http import deps
@@ -17,12 +20,21 @@ async def list_models(host: ModelHost = Depends(deps.host)) -> dict:
 
 
 @router.get(
-    "/v1/models/{model_id:path}", summary="One model: readiness, context length, dtype, K/V size and fingerprint"
+    "/v1/models/{model_id:path}",
+    summary="One model: readiness, context length, dtype, K/V size and fingerprint, the memory it holds",
 )
 async def get_model(model_id: str, host: ModelHost = Depends(deps.host)) -> dict:
     if model_id not in host.states:
         raise ApiError(404, "model_not_found", f"model {model_id!r} does not exist", "model")
-    return model_object(host, model_id)
+    engine = host.engines.get(model_id)
+    # off the event loop: which of the pool's pages are in RAM is asked of the OS (a few ms for a 4 GiB pool)
+    resident = await asyncio.to_thread(_resident, engine) if engine else None
+    return model_object(host, model_id) | {"resident_bytes": resident}
+
+
+def _resident(engine: Engine) -> dict[str, int | None]:
+    """What the model holds in memory by part, their total, and the whole process's resident set beside them."""
+    return engine.resident().as_dict() | {"process_rss": memory.process_rss()}
 
 
 def model_object(host: ModelHost, model_id: str) -> dict:
