@@ -4,11 +4,11 @@ bf16_gemv copies); what packing or turning the copies off drops is really gone."
 from __future__ import annotations
 
 import gc
-import weakref
 
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from server.kv import kernels
 from server.models.packed_linear import PackedLinear, decode_products, pack_linears
@@ -26,9 +26,12 @@ def tied(dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def linears_of(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if type(m) is nn.Linear]
+
+
 def linear_bytes(model: nn.Module) -> int:
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
-    return sum(m.in_features * m.out_features * m.weight.element_size() for m in linears)
+    return sum(m.in_features * m.out_features * m.weight.element_size() for m in linears_of(model))
 
 
 def test_an_unpacked_model_holds_its_parameters_and_buffers_each_storage_once():
@@ -48,14 +51,16 @@ def test_packing_leaves_no_linear_weight_beside_its_packed_form(is_tied):
     model = tied(torch.bfloat16) if is_tied else build_model(vocab_size=320, eos_id=1).to(torch.bfloat16)
     before = weight_bytes(model).dense
     linears = linear_bytes(model)  # a tied LM head's weight counted here too: it is packed as a copy
-    weights = [weakref.ref(m.weight) for m in model.modules() if type(m) is nn.Linear]
-    embedding = model.model.embed_tokens.weight
+    embedding = model.model.embed_tokens.weight.untyped_storage()
+    weights = {
+        m.weight.untyped_storage().data_ptr(): StorageWeakRef(m.weight.untyped_storage()) for m in linears_of(model)
+    }
     assert pack_linears(model, torch.bfloat16, "weights") == 2 * 7 + 1
     gc.collect()
-    alive = [ref() for ref in weights if ref() is not None]
-    assert alive == ([embedding] if is_tied else [])  # the embedding reads its weight; no other is kept
+    alive = [address for address, ref in weights.items() if not ref.expired()]
+    assert alive == ([embedding.data_ptr()] if is_tied else [])  # the embedding reads its weight; no other is kept
     got = weight_bytes(model)
-    shared = embedding.numel() * 2 if is_tied else 0
+    shared = embedding.nbytes() if is_tied else 0
     assert got.dense == before - linears + shared  # the embedding and the norms
     assert got.packed == linears
     assert got.gemv == 0
@@ -71,11 +76,11 @@ def test_the_bf16_gemv_copies_are_counted_while_on_and_gone_once_off():
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     packed = weight_bytes(model).packed
     assert decode_products(model, True) == len(layers)  # the tiny model's sizes all fit (vocabulary 320 = 20 x 16)
-    copies = [weakref.ref(m.gemv) for m in layers if m.gemv is not None]
+    copies = [StorageWeakRef(m.gemv.untyped_storage()) for m in layers if m.gemv is not None]
     got = weight_bytes(model)
     assert got.gemv == packed  # the linear weights once more, in the kernel's layout
     assert got.packed == packed
     decode_products(model, False)
     gc.collect()
-    assert [ref() for ref in copies if ref() is not None] == []
+    assert not any(not ref.expired() for ref in copies)  # no tensor holds their storage any more
     assert weight_bytes(model).gemv == 0
