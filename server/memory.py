@@ -4,7 +4,7 @@ handing memory the allocator keeps back to the system.
 A server's tensors are allocated by torch through the C library's malloc. glibc keeps what is freed in its arenas
 for reuse, and a thread's arena gives back only the free memory at its top: the temporaries of loading a model (the
 checkpoint's float32 tensors cast to bf16, the linear weights before they were packed, the dense copies the
-bf16_gemv copies were laid out from) stayed resident after load, 236 MB of the default model's 1.36 GB
+bf16_gemv copies were laid out from) stayed resident after load, 233 MiB of the default model's 1,376 MiB
 (docs/architecture.md, "What a server holds"). `release_freed` gives them back once the models are up.
 """
 

@@ -133,7 +133,7 @@ class Engine:
 
     def resident(self) -> ResidentBytes:
         """What this model holds in memory now, by part: the weights as they were at load, the pool (and which of
-        its pages are in RAM: the OS is asked, a few ms for a 4 GiB pool, so call it off the event loop), the kept
+        its pages are in RAM: the OS is asked, 2 ms for a 4 GiB pool here, so call it off the event loop), the kept
         head layouts the engine thread last published, this model's snapshots in host RAM."""
         weights = self.runner.weights
         touched = memory.resident_bytes(self._pool_regions) if self._pool_regions else None
