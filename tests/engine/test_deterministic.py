@@ -145,9 +145,12 @@ def test_an_8_bit_pool_is_read_by_the_decode_kernel(bf16):
 def test_compiling_is_left_off_in_the_mode(bf16, monkeypatch, tmp_path):
     # inductor's generated kernels vectorize by shape; compiling for real takes a minute: a stand-in records it
     asked: list[str] = []
-    monkeypatch.setattr(
-        model_runner, "_compiled", lambda loaded, cache_dir: asked.append(cache_dir) or (None, "the stand-in's")
-    )
+
+    def stand_in(loaded, cache_dir, startup):
+        asked.append(cache_dir)
+        return None, "the stand-in's"
+
+    monkeypatch.setattr(model_runner, "_compiled", stand_in)
     for on in (True, False):
         e = make_engine(bf16, budget_bytes=BUDGET, compile_dir=str(tmp_path), deterministic=on)
         try:
