@@ -204,6 +204,21 @@ await check("ai-sdk anthropic streamText with a tool (eager_input_streaming)", a
     `${calls.map((c) => `${c.toolName}(${JSON.stringify(c.input)})`).join(", ")}`;
 });
 
+for (const [name, which] of [["OpenAI provider (Responses API)", provider], ["Anthropic provider (Messages API)", anthropic]]) {
+  await check(`ai-sdk tool loop, a call then its answer in text: ${name}`, async () => {
+    const result = await generateText({
+      model: which(model), prompt: "What is the weather in Berlin?", tools: { weather: weatherTool },
+      prepareStep: ({ stepNumber }) => ({ toolChoice: stepNumber === 0 ? "required" : "auto" }),
+      providerOptions: { openai: { parallelToolCalls: false }, ...oneCall }, stopWhen: isStepCount(2),
+      maxOutputTokens: 48, temperature: 0,
+    });
+    const calls = result.steps.flatMap((step) => step.toolCalls);
+    expect(calls.length === 1, `${calls.length} calls`);
+    expect(result.text.trim() !== "", "step 2 answered with no text");
+    return `${calls[0].toolName}(${JSON.stringify(calls[0].input)}) -> ${JSON.stringify(result.text)}`;
+  });
+}
+
 await check("anthropic-node beta.messages.toolRunner: three steps on one message thread", async () => {
   const sent = [];
   const claude = new Anthropic({
