@@ -139,7 +139,7 @@ def test_a_shared_store_url_redis_cannot_take_is_one_line_and_exit_2():
 
 def test_the_children_of_this_process_are_found(tmp_path):
     """What `kvserve serve` asks to stop when it exits with a phase still running (a kernel build's ninja)."""
-    from server.__main__ import _children
+    from server.stopping import children as _children
 
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
