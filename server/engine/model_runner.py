@@ -30,6 +30,7 @@ from server.engine.decode_graphs import (
     StaticDecode,
     buckets_for,
 )
+from server.engine.fused_step import FusedDecode
 from server.engine.scheduler import Row
 from server.kv import kernels, offload
 from server.kv.attention import StepMeta, attention_inputs, install, stepping
@@ -133,6 +134,18 @@ class ModelRunner:
             self.deterministic_detail = f"on: attention by the {self.backend.name} backend, {self.deterministic_detail}"
             log.info("model %s: deterministic mode %s", loaded.spec.id, self.deterministic_detail)
         install(loaded.model)
+        # Decode steps by one call of the fused kernel (server/engine/fused_step.py) where the layers are Llama's
+        self.fused: FusedDecode | None = None
+        if self.deterministic:
+            self.fused_detail = "off: deterministic mode"
+        elif not facts.plain_layers:
+            self.fused_detail = "off: its layers have a sliding window or a softcap"
+        else:
+            self.fused_detail = f"off: needs the kernel or tiled backend, not {self.backend.name}"
+        if not self.deterministic and isinstance(self.backend, KernelBackend | TiledBackend) and facts.plain_layers:
+            self.fused, why = FusedDecode.of(loaded.model, self.pool, tiled=isinstance(self.backend, TiledBackend))
+            self.fused_detail = why if self.fused is not None else f"off: {why}"
+            log.info("model %s: fused decode step %s", loaded.spec.id, self.fused_detail)
         # What runs the steps, said in GET /v1/models/{id}: the compiled graphs, or eager and why
         self.compiled: CompiledModel | None = None
         self.compile_detail = "not asked (--compile false)"
@@ -244,6 +257,16 @@ class ModelRunner:
                 self._count(rows)
                 return replayed
         meta, input_ids, position_ids, sampled_at = self._prepare(rows)
+        fused = self.fused
+        if (
+            fused is not None
+            and meta.decode is not None
+            and fused.serves(meta.decode, int(input_ids.shape[1]), bool(meta.spans), meta.prefill is not None)
+        ):
+            with torch.inference_mode():
+                fused_logits = fused.run(input_ids, position_ids, meta.slot_mapping, meta.decode, sampled_at)
+            self._count(rows)
+            return fused_logits
         meta.is_abandoned = is_abandoned
         with torch.inference_mode(), stepping(meta):
             if self.compiled is not None:

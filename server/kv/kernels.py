@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("kvserve.kernels")
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "bf16_gemv.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "bf16_gemv.cpp", "decode_step.cpp")]
+HEADERS = [_CSRC / "kernels.h"]  # included by the sources: digested with them
 # -ffast-math lets exp() vectorize (glibc's libmvec); the kernel never relies on inf or NaN. -fopenmp: at::parallel_for
 # is a header template that runs its range on torch's OpenMP team only where the including code is built with
 # OpenMP; without it every kernel ran on one thread. It links libgomp.so.1, the one torch has loaded already.
@@ -39,7 +41,7 @@ def build_name() -> str:
     """The build's name: a new source, torch or CPU builds anew (a -march=native build is not portable), and
     so does another checkout (its own build files)."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
         digest.update(str(source.resolve()).encode())
     digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())

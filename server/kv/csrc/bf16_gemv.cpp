@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -105,25 +107,34 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, const c10::o
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   at::Tensor out = at::empty(sizes, x.options());
-#if defined(__AVX512BF16__)
-  const auto* xp = reinterpret_cast<const uint32_t*>(rows.data_ptr());
-  const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  switch (m) {
-    case 1: product<1>(xp, pairs, wp, b, op, n); break;
-    case 2: product<2>(xp, pairs, wp, b, op, n); break;
-    case 3: product<3>(xp, pairs, wp, b, op, n); break;
-    case 4: product<4>(xp, pairs, wp, b, op, n); break;
-    case 5: product<5>(xp, pairs, wp, b, op, n); break;
-    case 6: product<6>(xp, pairs, wp, b, op, n); break;
-    case 7: product<7>(xp, pairs, wp, b, op, n); break;
-    default: product<8>(xp, pairs, wp, b, op, n); break;
-  }
-#endif
+  kvserve::bf16_gemv_into(reinterpret_cast<const uint16_t*>(rows.data_ptr()), m, packed, b,
+                          reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
 }
 
 }  // namespace
+
+namespace kvserve {
+void bf16_gemv_into(const uint16_t* x, int64_t m, const at::Tensor& packed, const uint16_t* bias, uint16_t* out) {
+#if defined(__AVX512BF16__)
+  const int64_t n = packed.size(0) * kLanes, pairs = packed.size(1);
+  const auto* xp = reinterpret_cast<const uint32_t*>(x);
+  const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr());
+  switch (m) {
+    case 1: product<1>(xp, pairs, wp, bias, out, n); break;
+    case 2: product<2>(xp, pairs, wp, bias, out, n); break;
+    case 3: product<3>(xp, pairs, wp, bias, out, n); break;
+    case 4: product<4>(xp, pairs, wp, bias, out, n); break;
+    case 5: product<5>(xp, pairs, wp, bias, out, n); break;
+    case 6: product<6>(xp, pairs, wp, bias, out, n); break;
+    case 7: product<7>(xp, pairs, wp, bias, out, n); break;
+    default: product<8>(xp, pairs, wp, bias, out, n); break;
+  }
+#else
+  TORCH_CHECK(false, "bf16_gemv: this build has no AVX512-BF16");
+#endif
+}
+}  // namespace kvserve
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("bf16_gemv(Tensor x, Tensor packed, Tensor? bias) -> Tensor");

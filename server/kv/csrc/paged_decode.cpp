@@ -32,6 +32,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -370,6 +372,16 @@ int64_t parallel_threads(int64_t n) {
 }
 
 }  // namespace
+
+namespace kvserve {
+void paged_decode_into(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
+                       const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       int64_t block_size, double scale) {
+  static const at::Tensor empty = at::empty({0});
+  paged_decode(query, k_pool, v_pool, out, rows, block_tables, context_lens, empty, empty, empty, block_size, 0, scale,
+               0.0);
+}
+}  // namespace kvserve
 
 TORCH_LIBRARY(kvserve, m) {
   m.def(

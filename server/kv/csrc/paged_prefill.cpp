@@ -24,6 +24,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -909,6 +911,16 @@ void shared_keys_from_layout(const at::Tensor& query, const at::Tensor& keys, co
 }
 
 }  // namespace
+
+namespace kvserve {
+void paged_decode_rows_into(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            at::Tensor& out, const at::Tensor& rows, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, int64_t block_size, double scale) {
+  static const at::Tensor empty = at::empty({0});
+  paged_decode_rows(query, k_pool, v_pool, out, rows, block_tables, context_lens, empty, empty, empty, empty,
+                    block_size, scale);
+}
+}  // namespace kvserve
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
